@@ -1,0 +1,1 @@
+"""The message bus shared by gateways and workers: Kafka, or in-process."""

@@ -1,0 +1,293 @@
+"""The bus on Apache Kafka, through aiokafka.
+
+Latency matters more than throughput here: consumers wait at most
+`fetch_max_wait_ms` (tens of milliseconds, not aiokafka's 500) for data, and
+the producer sends at once. Request offsets are committed by hand, per
+partition, up to the first request that is not finished yet, so that the
+requests of a worker that dies are delivered again to another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import CommitFailedError, KafkaError, UnknownTopicOrPartitionError
+from aiokafka.structs import OffsetAndMetadata
+from pydantic import ValidationError
+
+from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, UnknownTopic
+from bus.topics import priority_of
+from schemas.messages import BusMessage, GenerationRequest, decode, encode
+
+log = structlog.get_logger("bus.kafka")
+
+_TOPIC_ALREADY_EXISTS = 36
+_TOPIC_VISIBLE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    bootstrap_servers: str
+    replication_factor: int = 1
+    fetch_max_wait_ms: int = 20
+    # Group membership of workers. The model runs off the event loop, so
+    # heartbeats flow during long steps; these only bound how fast a dead
+    # worker is noticed.
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 1_000
+    max_poll_interval_ms: int = 60_000
+    publish_timeout_s: float = 10.0
+
+
+def _decode(record) -> BusMessage | None:
+    try:
+        return decode(record.value)
+    except ValidationError as error:
+        log.warning("undecodable_message", topic=record.topic, offset=record.offset, error=str(error)[:500])
+        return None
+
+
+class _KafkaListener(Listener):
+    def __init__(self, consumer: AIOKafkaConsumer) -> None:
+        self._consumer = consumer
+
+    async def __aiter__(self) -> AsyncIterator[BusMessage]:
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=1000)
+            for records in batches.values():
+                for record in records:
+                    message = _decode(record)
+                    if message is not None:
+                        yield message
+
+    async def close(self) -> None:
+        await self._consumer.stop()
+
+
+class _OffsetTracker:
+    """Per partition: which taken offsets are unfinished, and how far it was read."""
+
+    def __init__(self) -> None:
+        self.unfinished: set[int] = set()
+        self.read_up_to = 0  # one past the highest offset taken
+
+    def commit_position(self) -> int:
+        return min(self.unfinished) if self.unfinished else self.read_up_to
+
+
+class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
+    def __init__(self, consumer: AIOKafkaConsumer, topics: Sequence[str], group: str) -> None:
+        self._consumer = consumer
+        self._topics = list(topics)
+        self._group = group
+        self._offsets: dict[TopicPartition, _OffsetTracker] = {}
+        self._to_commit: set[TopicPartition] = set()
+
+    # -- ConsumerRebalanceListener: called by aiokafka around a rebalance
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        if not revoked:  # aiokafka calls this before the first assignment too
+            return
+        await self._commit()
+        for partition in revoked:
+            self._offsets.pop(partition, None)
+        log.info("partitions_revoked", group=self._group, partitions=len(revoked))
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        log.info("partitions_assigned", group=self._group, partitions=len(assigned))
+
+    # -- RequestQueue
+
+    async def take(self, limit: int, timeout_s: float) -> list[Delivery]:
+        await self._commit()
+        assigned = self._consumer.assignment()
+        if limit == 0:
+            # Polling a paused consumer fetches nothing but keeps the member alive.
+            self._consumer.pause(*assigned)
+            await self._consumer.getmany(timeout_ms=int(timeout_s * 1000))
+            return []
+        self._consumer.resume(*assigned)
+        taken: list[Delivery] = []
+        for topic in self._topics:  # most urgent first, from what is fetched already
+            partitions = [p for p in assigned if p.topic == topic]
+            if partitions and len(taken) < limit:
+                batches = await self._consumer.getmany(*partitions, max_records=limit - len(taken))
+                self._collect(batches, taken)
+        if not taken:
+            batches = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000), max_records=limit)
+            self._collect(batches, taken)
+        taken.sort(key=lambda d: priority_of(d.source[0].topic))
+        return taken
+
+    def _collect(self, batches, taken: list[Delivery]) -> None:
+        for partition, records in batches.items():
+            tracker = self._offsets.setdefault(partition, _OffsetTracker())
+            for record in records:
+                tracker.read_up_to = max(tracker.read_up_to, record.offset + 1)
+                self._to_commit.add(partition)
+                message = _decode(record)
+                if isinstance(message, GenerationRequest):
+                    tracker.unfinished.add(record.offset)
+                    taken.append(Delivery(message, (partition, record.offset)))
+                elif message is not None:
+                    log.warning("not_a_request", topic=partition.topic, kind=message.kind)
+
+    def finished(self, delivery: Delivery) -> None:
+        partition, offset = delivery.source
+        tracker = self._offsets.get(partition)
+        if tracker is not None:  # else the partition went to another member meanwhile
+            tracker.unfinished.discard(offset)
+            self._to_commit.add(partition)
+
+    async def _commit(self) -> None:
+        offsets = {
+            p: OffsetAndMetadata(self._offsets[p].commit_position(), "") for p in self._to_commit if p in self._offsets
+        }
+        self._to_commit.clear()
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except (CommitFailedError, KafkaError) as error:
+            # The partitions moved in a rebalance: their new owner starts from
+            # the last commit that succeeded, so unfinished work is redone, not lost.
+            log.warning("commit_failed", group=self._group, error=str(error))
+
+    async def close(self) -> None:
+        await self._commit()
+        await self._consumer.stop()
+
+
+class KafkaBus(Bus):
+    def __init__(self, settings: KafkaSettings, client_id: str) -> None:
+        self._settings = settings
+        self._client_id = client_id
+        self._producer: AIOKafkaProducer | None = None
+        self._admin: AIOKafkaAdminClient | None = None
+
+    async def start(self) -> None:
+        self._admin = AIOKafkaAdminClient(
+            bootstrap_servers=self._settings.bootstrap_servers, client_id=f"{self._client_id}-admin"
+        )
+        await self._admin.start()
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=self._settings.bootstrap_servers,
+            client_id=self._client_id,
+            acks="all",  # a request acknowledged to the gateway survives a broker crash
+            linger_ms=0,
+        )
+        await self._producer.start()
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+        if self._admin is not None:
+            await self._admin.close()
+
+    async def create_topics(self, partitions: Mapping[str, int]) -> None:
+        assert self._admin is not None
+        existing = set(await self._admin.list_topics())
+        missing = [
+            NewTopic(name, count, self._settings.replication_factor)
+            for name, count in partitions.items()
+            if name not in existing
+        ]
+        if not missing:
+            return
+        response = await self._admin.create_topics(missing)
+        for topic, code, *rest in response.topic_errors:
+            if code not in (0, _TOPIC_ALREADY_EXISTS):  # a racing process may create it first
+                raise BusUnavailable(f"cannot create topic {topic}: error {code} {rest}")
+        await self._await_topics({t.name: t.num_partitions for t in missing})
+        log.info("topics_created", topics=[t.name for t in missing])
+
+    async def _await_topics(self, partitions: Mapping[str, int]) -> None:
+        """Return once the broker's metadata shows every topic with its partitions."""
+        assert self._admin is not None
+        deadline = time.monotonic() + _TOPIC_VISIBLE_TIMEOUT_S
+        while True:
+            described = await self._admin.describe_topics(list(partitions))
+            visible = {
+                t["topic"] for t in described if t["error_code"] == 0 and len(t["partitions"]) == partitions[t["topic"]]
+            }
+            if visible >= set(partitions):
+                return
+            if time.monotonic() > deadline:
+                raise BusUnavailable(f"topics not visible after creation: {sorted(set(partitions) - visible)}")
+            await asyncio.sleep(0.05)
+
+    async def delete_topics(self, topics: Sequence[str]) -> None:
+        assert self._admin is not None
+        await self._admin.delete_topics(list(topics))
+
+    async def publish(self, topic: str, message: BusMessage) -> None:
+        assert self._producer is not None
+        try:
+            await asyncio.wait_for(
+                self._producer.send_and_wait(topic, encode(message)), self._settings.publish_timeout_s
+            )
+        except UnknownTopicOrPartitionError:
+            raise UnknownTopic(topic) from None
+        except (KafkaError, TimeoutError) as error:
+            raise BusUnavailable(f"cannot publish to {topic}: {error!r}") from error
+
+    def _consumer(self, *topics: str, **overrides) -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(
+            *topics,
+            bootstrap_servers=self._settings.bootstrap_servers,
+            client_id=self._client_id,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=self._settings.fetch_max_wait_ms,
+            **overrides,
+        )
+
+    async def listen(self, topic: str, replay_s: float = 0.0) -> Listener:
+        consumer = self._consumer(group_id=None, auto_offset_reset="latest")
+        await consumer.start()
+        try:
+            partitions = await self._partitions(topic)
+            consumer.assign(partitions)
+            await consumer.seek_to_end(*partitions)
+            if replay_s > 0:
+                since_ms = int((time.time() - replay_s) * 1000)
+                found = await consumer.offsets_for_times({p: since_ms for p in partitions})
+                for partition, offset in found.items():
+                    if offset is not None:
+                        consumer.seek(partition, offset.offset)
+            for partition in partitions:  # resolve the start now, not on the first read
+                await consumer.position(partition)
+        except BaseException:
+            await consumer.stop()
+            raise
+        return _KafkaListener(consumer)
+
+    async def _partitions(self, topic: str) -> list[TopicPartition]:
+        assert self._admin is not None
+        # A topic created a moment ago may not be in the metadata yet.
+        deadline = time.monotonic() + _TOPIC_VISIBLE_TIMEOUT_S
+        while True:
+            [described] = await self._admin.describe_topics([topic])
+            if described["error_code"] == 0 and described["partitions"]:
+                return [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
+            if time.monotonic() > deadline:
+                raise UnknownTopic(topic)
+            await asyncio.sleep(0.05)
+
+    async def open_request_queue(self, topics: Sequence[str], group: str) -> RequestQueue:
+        consumer = self._consumer(
+            group_id=group,
+            auto_offset_reset="earliest",  # a request published before any worker joined still counts
+            session_timeout_ms=self._settings.session_timeout_ms,
+            heartbeat_interval_ms=self._settings.heartbeat_interval_ms,
+            max_poll_interval_ms=self._settings.max_poll_interval_ms,
+        )
+        queue = _KafkaRequestQueue(consumer, topics, group)
+        consumer.subscribe(list(topics), listener=queue)
+        await consumer.start()
+        return queue

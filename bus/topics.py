@@ -1,0 +1,35 @@
+"""Topic names: one request topic per served model and priority, one reply
+topic per gateway, one control topic for everyone."""
+
+from __future__ import annotations
+
+import re
+
+PRIORITIES = (1, 2, 3, 4, 5)  # 1 is the most urgent
+_NOT_IN_TOPIC_NAMES = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _slug(name: str) -> str:
+    # Model names may be hub ids ("Qwen/Qwen2-0.5B"); Kafka allows [A-Za-z0-9._-].
+    return _NOT_IN_TOPIC_NAMES.sub("_", name)
+
+
+def request_topic(prefix: str, model: str, priority: int) -> str:
+    return f"{prefix}.{_slug(model)}.p{priority}"
+
+
+def request_topics(prefix: str, model: str) -> list[str]:
+    """The model's request topics, most urgent first."""
+    return [request_topic(prefix, model, p) for p in PRIORITIES]
+
+
+def priority_of(topic: str) -> int:
+    return int(topic.rsplit(".p", 1)[1])
+
+
+def reply_topic(prefix: str, gateway_id: str) -> str:
+    return f"{prefix}.replies.{_slug(gateway_id)}"
+
+
+def control_topic(prefix: str) -> str:
+    return f"{prefix}.control"
