@@ -1,0 +1,1 @@
+"""Workers: take requests from the bus, run the model, stream tokens back."""

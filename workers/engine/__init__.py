@@ -1,0 +1,1 @@
+"""The generation engine inside a worker: sequences in, token events out."""

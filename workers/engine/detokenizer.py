@@ -1,0 +1,43 @@
+"""Turn a growing list of token ids into text pieces, never half a character.
+
+Byte-level tokenizers split multi-byte characters over tokens, and
+SentencePiece tokenizers decide a token's leading space from its left
+neighbour, so decoding each token alone is wrong. As TGI and vLLM do, decode a
+short window that ends at the new tokens, compare it with the same window
+without them, and emit the difference only once it no longer ends in an
+incomplete character (U+FFFD).
+"""
+
+from __future__ import annotations
+
+# Prompt tokens kept on the left, for tokenizers whose spacing depends on them.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # start of the window decoded for comparison
+        self._read_offset = len(self._ids)  # tokens before this are emitted as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """The text that `token_id` completes; "" while a character is still incomplete."""
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """What is left at the end of generation, incomplete characters included."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return after[len(before) :]
