@@ -1,0 +1,1 @@
+"""The gateway: HTTP, SSE and WebSocket in front, the message bus behind."""

@@ -1,0 +1,72 @@
+"""The requests a gateway waits for, and the demultiplexing of its reply topic.
+
+Every worker sends a gateway's events to that gateway's one reply topic; the
+registry hands each event to the request it belongs to. Events of another
+attempt of a request (one that was re-published after a failure) are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenEvents
+
+# How long past its deadline a request waits for the worker's own timeout
+# event before the gateway gives up on the worker and ends it itself.
+DEADLINE_GRACE_S = 1.0
+
+
+class InFlight:
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.finished = False
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    def deliver(self, event: TokenEvent) -> None:
+        self._events.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """The request's events up to and including its last; never waits past the deadline."""
+        while not self.finished:
+            remaining = self.request.deadline + DEADLINE_GRACE_S - time.time()
+            try:
+                event = await asyncio.wait_for(self._events.get(), max(remaining, 0.0))
+            except TimeoutError:
+                event = self._expired()
+            self.finished = event.finish_reason is not None or event.error is not None
+            yield event
+
+    def _expired(self) -> TokenEvent:
+        return TokenEvent(
+            request_id=self.request.request_id,
+            attempt=self.request.attempt,
+            index=0,
+            finish_reason=FinishReason.STOP_SEQUENCE,
+            error=ErrorInfo(
+                message=f"request {self.request.request_id} exceeded its timeout", error_type="Timeout", status=504
+            ),
+        )
+
+
+class InFlightRegistry:
+    def __init__(self) -> None:
+        self._requests: dict[str, InFlight] = {}
+
+    def open(self, request: GenerationRequest) -> InFlight:
+        inflight = InFlight(request)
+        self._requests[request.request_id] = inflight
+        return inflight
+
+    def close(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def deliver(self, batch: TokenEvents) -> None:
+        for event in batch.events:
+            inflight = self._requests.get(event.request_id)
+            if inflight is not None and event.attempt == inflight.request.attempt:
+                inflight.deliver(event)

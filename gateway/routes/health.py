@@ -1,0 +1,36 @@
+"""Liveness and readiness, as MindIE and KServe v2 clients probe them."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from gateway.errors import ErrorBody, unavailable
+from gateway.service import GatewayService
+
+router = APIRouter(tags=["Health"])
+
+
+@router.get("/health")
+@router.get("/v2/health/live")
+async def live() -> Response:
+    """The gateway process answers."""
+    return Response(status_code=200)
+
+
+@router.get("/v2/health/ready", responses={503: {"model": ErrorBody}})
+async def ready(request: Request) -> Response:
+    """Some worker is serving some model."""
+    service: GatewayService = request.app.state.gateway
+    if not service.directory.any_live():
+        raise unavailable("no worker is serving any model yet")
+    return Response(status_code=200)
+
+
+@router.get("/v2/models/{model}/ready", responses={503: {"model": ErrorBody}})
+async def model_ready(model: str, request: Request) -> Response:
+    """A live worker serves this model."""
+    service: GatewayService = request.app.state.gateway
+    served = service.directory.lookup(model)
+    if served is None or not service.directory.live_workers(served.name):
+        raise unavailable(f"no worker is serving model {model} yet")
+    return Response(status_code=200)

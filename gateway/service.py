@@ -1,0 +1,144 @@
+"""The gateway's side of the bus: publish requests, route replies, know the workers.
+
+One instance per gateway process. It owns the gateway's reply topic (created
+at start, deleted at a clean stop) and listens to the control topic for the
+workers' heartbeats. The HTTP routes call `resolve`, `submit` and `cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+import structlog
+
+from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
+from bus.topics import control_topic, reply_topic, request_topic
+from gateway.directory import WorkerDirectory
+from gateway.errors import not_found, unavailable
+from gateway.inflight import InFlight, InFlightRegistry
+from schemas.messages import CancelRequest, GenerationRequest, SamplingParams, ServedModel, TokenEvents, WorkerHeartbeat
+
+log = structlog.get_logger(__name__)
+
+# Replay this much of the control topic at start, so that a new gateway knows
+# the running workers at once instead of after their next heartbeat.
+CONTROL_REPLAY_S = 10.0
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    topic_prefix: str = "tokenrelay"
+    gateway_id: str = ""  # empty: a fresh random id per process
+    default_timeout_s: int = 600
+    default_priority: int = 5
+
+
+class GatewayService:
+    def __init__(self, bus: Bus, settings: GatewaySettings) -> None:
+        self._bus = bus
+        self._settings = settings
+        self.gateway_id = settings.gateway_id or uuid.uuid4().hex[:12]
+        self._reply_topic = reply_topic(settings.topic_prefix, self.gateway_id)
+        self._control_topic = control_topic(settings.topic_prefix)
+        self.directory = WorkerDirectory()
+        self.inflight = InFlightRegistry()
+        self._listeners: list[Listener] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        await self._bus.create_topics({self._reply_topic: 1, self._control_topic: 1})
+        replies = await self._bus.listen(self._reply_topic)
+        control = await self._bus.listen(self._control_topic, replay_s=CONTROL_REPLAY_S)
+        self._listeners = [replies, control]
+        self._tasks = [
+            asyncio.create_task(self._route_replies(replies), name="route-replies"),
+            asyncio.create_task(self._watch_control(control), name="watch-control"),
+        ]
+        log.info("gateway_started", gateway_id=self.gateway_id, reply_topic=self._reply_topic)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for listener in self._listeners:
+            await listener.close()
+        try:
+            await self._bus.delete_topics([self._reply_topic])
+        except Exception as error:  # the broker may be gone already; the topic is then left behind
+            log.warning("reply_topic_not_deleted", topic=self._reply_topic, error=str(error))
+
+    async def _route_replies(self, replies: Listener) -> None:
+        async for message in replies:
+            if isinstance(message, TokenEvents):
+                self.inflight.deliver(message)
+
+    async def _watch_control(self, control: Listener) -> None:
+        async for message in control:
+            if isinstance(message, WorkerHeartbeat):
+                self.directory.observe(message)
+
+    def resolve(self, name: str) -> ServedModel:
+        """The served model clients call `name`; 404 if nobody serves it, 503 if nobody does now."""
+        model = self.directory.lookup(name)
+        if model is None:
+            raise not_found(f"model {name} is not served here")
+        if not self.directory.live_workers(model.name):
+            raise unavailable(f"no worker is serving model {name} right now")
+        return model
+
+    @staticmethod
+    def draw_seed() -> int:
+        """A seed for a request that gave none: drawn once, so a retry draws the same tokens."""
+        return secrets.randbelow(2**63 - 1) + 1
+
+    async def submit(
+        self,
+        model: ServedModel,
+        sampling: SamplingParams,
+        *,
+        prompt_text: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int | None = None,
+        timeout_s: int | None = None,
+    ) -> InFlight:
+        """Publish a request for the model's workers; its events arrive on the returned InFlight."""
+        now = time.time()
+        request = GenerationRequest(
+            request_id=uuid.uuid4().hex,
+            model=model.name,
+            prompt_text=prompt_text,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            priority=priority or self._settings.default_priority,
+            arrival=now,
+            deadline=now + (timeout_s or self._settings.default_timeout_s),
+            reply_to=self._reply_topic,
+        )
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        inflight = self.inflight.open(request)
+        topic = request_topic(self._settings.topic_prefix, model.name, request.priority)
+        try:
+            await self._bus.publish(topic, request)
+        except (BusUnavailable, UnknownTopic) as error:
+            self.inflight.close(request.request_id)
+            log.warning("publish_failed", topic=topic, error=str(error))
+            raise unavailable(f"the message bus cannot take the request now: {error}") from error
+        log.info("request_published", topic=topic, model=model.name, priority=request.priority)
+        return inflight
+
+    async def finish(self, inflight: InFlight) -> None:
+        """Forget a request; if it had not ended (client gone), tell its worker to stop."""
+        self.inflight.close(inflight.request.request_id)
+        if inflight.finished:
+            return
+        try:
+            await self._bus.publish(
+                self._control_topic, CancelRequest(request_id=inflight.request.request_id, reason="client gone")
+            )
+            log.info("request_cancelled", reason="client gone")
+        except (BusUnavailable, UnknownTopic) as error:
+            log.warning("cancel_not_published", error=str(error))
