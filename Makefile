@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    creates .venv, installs tokenrelay, serves the bundled model on 127.0.0.1:1025
+#   make test   same venv, finds or starts Kafka, runs every test
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+KAFKA_JARS := deploy/kafka/lib/.fetched
+
+.PHONY: install run test kafka lint clean
+
+# uv installs torch's wheels in seconds where pip takes minutes; it lives in the venv.
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[test]'
+	touch $@
+
+install: $(BIN)/.installed
+
+run: install
+	$(BIN)/tokenrelay serve
+
+$(KAFKA_JARS): deploy/kafka/pom.xml
+	mvn --quiet --batch-mode -f deploy/kafka/pom.xml package
+	touch $@
+
+kafka: $(KAFKA_JARS)
+
+test: install kafka
+	$(BIN)/pytest
+
+# Style: ruff's rules as configured in pyproject.toml (uv fetches ruff on first use).
+lint: install
+	$(BIN)/uv tool run ruff check bus gateway schemas tokenrelay workers tests
+	$(BIN)/uv tool run ruff format --check bus gateway schemas tokenrelay workers tests
+
+clean:
+	rm -rf $(VENV) deploy/kafka/lib

@@ -1,0 +1,1 @@
+"""The `tokenrelay` command and what every process shares (settings, logs)."""

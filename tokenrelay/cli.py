@@ -1,0 +1,237 @@
+"""The `tokenrelay` command.
+
+    tokenrelay serve     gateway + worker + in-process bus, one process, no broker
+    tokenrelay gateway   an HTTP/WebSocket gateway on Kafka
+    tokenrelay worker    a model worker on Kafka
+
+Every flag can also come from the environment: `--served-model-name` is
+`TOKENRELAY_SERVED_MODEL_NAME` (lists separated by commas). A flag given on
+the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import uuid
+
+import structlog
+import uvicorn
+
+from bus.base import Bus
+from bus.inprocess import InProcessBus
+from bus.kafka import KafkaBus, KafkaSettings
+from gateway.app import create_app
+from gateway.service import GatewayService, GatewaySettings
+from tokenrelay import logs
+from workers.engine.engine import EngineLimits
+from workers.engine.model_runner import BUNDLED_MODEL, load_model
+from workers.worker import Worker, WorkerSettings
+
+BUNDLED_MODEL_NAME = "tokenrelay-tiny"
+log = structlog.get_logger("tokenrelay")
+
+
+def _env_name(flag: str) -> str:
+    return "TOKENRELAY_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _option(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs) -> None:
+    """A flag whose default may come from TOKENRELAY_<FLAG>."""
+    env = _env_name(flag)
+    value = os.environ.get(env)
+    if value is not None:
+        kwargs["default"] = value.split(",") if kwargs.get("nargs") == "+" else value
+        kwargs.pop("required", None)
+    default = kwargs.get("default")
+    shown = f"; default {default}" if default not in (None, "") else ""
+    parser.add_argument(flag, help=f"{help} (env {env}{shown})", **kwargs)
+
+
+def _common_options(parser: argparse.ArgumentParser) -> None:
+    _option(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    _option(parser, "--topic-prefix", default="tokenrelay", help="prefix of every topic name")
+
+
+def _gateway_options(parser: argparse.ArgumentParser) -> None:
+    _option(parser, "--host", default="127.0.0.1", help="address to listen on")
+    _option(parser, "--port", type=int, default=1025, help="port to listen on (MindIE's is 1025)")
+    _option(parser, "--gateway-id", default="", help="this gateway's id, which names its reply topic; empty: random")
+
+
+def _worker_options(parser: argparse.ArgumentParser) -> None:
+    _option(
+        parser,
+        "--model",
+        default=str(BUNDLED_MODEL),
+        help="Hugging Face causal-LM directory or hub id; default: the bundled model",
+    )
+    _option(
+        parser,
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help=f"names clients use for the model, aliases of each other; "
+        f"default: {BUNDLED_MODEL_NAME} for the bundled model, else --model",
+    )
+    _option(parser, "--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
+    _option(parser, "--max-batch-size", type=int, default=32, help="sequences that run at once (maxBatchSize)")
+    _option(parser, "--max-seq-len", type=int, default=2560, help="prompt + generated tokens (maxSeqLen)")
+    _option(parser, "--max-input-len", type=int, default=2048, help="prompt tokens (maxInputTokenLen)")
+    _option(parser, "--max-iter-times", type=int, default=512, help="generated tokens per request (maxIterTimes)")
+    _option(parser, "--worker-id", default="", help="this worker's id in heartbeats and logs; empty: host-pid")
+    _option(
+        parser,
+        "--partitions",
+        type=int,
+        default=8,
+        help="partitions of each request topic created here: at most this many workers share a priority",
+    )
+    _option(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats")
+
+
+def _kafka_options(parser: argparse.ArgumentParser) -> None:
+    _option(parser, "--kafka-bootstrap", required=True, help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT]")
+    _option(parser, "--kafka-replication-factor", type=int, default=1, help="replication of the topics created here")
+    _option(
+        parser,
+        "--kafka-session-timeout-ms",
+        type=int,
+        default=10_000,
+        help="workers: how long the group waits for a silent member",
+    )
+    _option(parser, "--kafka-heartbeat-interval-ms", type=int, default=1_000, help="workers: group heartbeat period")
+    _option(
+        parser,
+        "--kafka-max-poll-interval-ms",
+        type=int,
+        default=60_000,
+        help="workers: longest pause between polls before the member is dropped",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenrelay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="gateway and worker in one process, in-process bus")
+    gateway = commands.add_parser("gateway", help="an HTTP/WebSocket gateway on Kafka")
+    worker = commands.add_parser("worker", help="a model worker on Kafka")
+    for sub in (serve, gateway, worker):
+        _common_options(sub)
+    for sub in (serve, gateway):
+        _gateway_options(sub)
+    for sub in (serve, worker):
+        _worker_options(sub)
+    for sub in (gateway, worker):
+        _kafka_options(sub)
+    return parser
+
+
+def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
+    settings = KafkaSettings(
+        bootstrap_servers=args.kafka_bootstrap,
+        replication_factor=args.kafka_replication_factor,
+        session_timeout_ms=args.kafka_session_timeout_ms,
+        heartbeat_interval_ms=args.kafka_heartbeat_interval_ms,
+        max_poll_interval_ms=args.kafka_max_poll_interval_ms,
+    )
+    return KafkaBus(settings, client_id=client_id)
+
+
+def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
+    names = args.served_model_name or [BUNDLED_MODEL_NAME if args.model == str(BUNDLED_MODEL) else args.model]
+    limits = EngineLimits(
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        max_input_len=args.max_input_len,
+        max_iter_times=args.max_iter_times,
+    )
+    settings = WorkerSettings(
+        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        topic_prefix=args.topic_prefix,
+        partitions=args.partitions,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+    return Worker(bus, load_model(args.model, args.device), limits, names, settings)
+
+
+def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
+    service = GatewayService(bus, GatewaySettings(topic_prefix=args.topic_prefix, gateway_id=args.gateway_id))
+    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_config=None, access_log=False)
+    return _Server(config)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # This process handles SIGINT/SIGTERM itself (see _run), so that it can
+        # stop the worker too; uvicorn would re-raise them after its own stop.
+        yield
+
+
+async def _run(bus: Bus, server: uvicorn.Server | None, worker: Worker | None) -> bool:
+    """Run the parts until a signal, or until one of them ends; then stop them all.
+
+    Returns False when a part failed.
+    """
+    failed = False
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    await bus.start()
+    tasks = [asyncio.create_task(stopping.wait(), name="signal")]
+    try:
+        if worker is not None:
+            await worker.start()
+            tasks.append(asyncio.create_task(worker.run(), name="worker"))
+        if server is not None:
+            tasks.append(asyncio.create_task(server.serve(), name="http"))
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task.get_name() != "signal":  # a part that ends by itself has failed
+                failed = True
+                log.error("part_failed", part=task.get_name(), error=repr(task.exception()))
+    finally:
+        if server is not None:
+            server.should_exit = True
+        for task in tasks:
+            if task.get_name() != "http":
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if worker is not None:
+            await worker.stop()
+        await bus.close()
+        log.info("stopped")
+    return not failed
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level, process=args.command)
+    if args.command == "serve":
+        bus: Bus = InProcessBus()
+        parts = (_http_server(args, bus), _worker(args, bus))
+    elif args.command == "gateway":
+        bus = _kafka_bus(args, client_id=f"gateway-{args.gateway_id or uuid.uuid4().hex[:8]}")
+        parts = (_http_server(args, bus), None)
+    else:
+        bus = _kafka_bus(args, client_id=f"worker-{args.worker_id or os.getpid()}")
+        parts = (None, _worker(args, bus))
+    try:
+        ok = asyncio.run(_run(bus, *parts))
+    except Exception:
+        log.exception("failed")
+        ok = False
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""JSON logs, one line per event, for our code and for the libraries beneath it.
+
+Our modules log through structlog (`structlog.get_logger(__name__)`); uvicorn,
+aiokafka and transformers log through the standard library, whose records are
+rendered the same way. A request id bound with
+`structlog.contextvars.bind_contextvars(request_id=...)` appears on every
+line logged while the request is handled.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_SHARED = [
+    structlog.contextvars.merge_contextvars,
+    structlog.processors.add_log_level,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+]
+
+
+def configure(level: str = "info", process: str = "tokenrelay") -> None:
+    """Send every log line of this process to stderr as JSON."""
+    structlog.configure(
+        processors=[
+            *_SHARED,
+            structlog.processors.format_exc_info,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                _add_process(process),
+                structlog.processors.JSONRenderer(),
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # Libraries that are chatty at INFO: their warnings are what matters.
+    for name in ("aiokafka", "kafka", "httpx", "transformers"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    for name in ("uvicorn", "uvicorn.access", "uvicorn.error"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+
+
+def _add_process(process: str):
+    def add(_, __, event_dict):
+        event_dict.setdefault("process", process)
+        return event_dict
+
+    return add
