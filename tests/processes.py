@@ -1,0 +1,92 @@
+"""tokenrelay processes for end-to-end tests: start, wait until ready, read logs, stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENRELAY = str(Path(sys.executable).parent / "tokenrelay")
+
+
+def free_port(pair: bool = False) -> int:
+    """A loopback port nobody listens on (and the one after it, with `pair`)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if not pair:
+            return port
+        with socket.socket() as second:
+            try:
+                second.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+class Process:
+    def __init__(self, popen: subprocess.Popen, log_path: Path) -> None:
+        self.popen = popen
+        self.log_path = log_path
+
+    def events(self) -> list[dict]:
+        """The process's JSON log lines so far, parsed."""
+        parsed = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                parsed.append(json.loads(line))
+        return parsed
+
+    def events_named(self, name: str) -> list[dict]:
+        return [e for e in self.events() if e.get("event") == name]
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+def spawn_tokenrelay(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Process:
+    log = open(log_path, "w")
+    popen = subprocess.Popen(
+        [TOKENRELAY, *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        cwd=REPO,
+    )
+    return Process(popen, log_path)
+
+
+def wait_ready(base_url: str, model: str, processes: list[Process], timeout_s: float = 180) -> None:
+    """Until the gateway says a worker serves `model`; fails early if a process died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.popen.poll() is not None:
+                raise AssertionError(f"{process.log_path.name} exited early:\n{process.log_tail()}")
+        try:
+            if httpx.get(f"{base_url}/v2/models/{model}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    tails = "\n\n".join(f"{p.log_path.name}:\n{p.log_tail()}" for p in processes)
+    raise AssertionError(f"{model} not ready at {base_url} within {timeout_s} s\n{tails}")

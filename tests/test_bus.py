@@ -1,0 +1,149 @@
+"""The bus contract, run against both implementations: in-process and a real Kafka broker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from bus.base import Bus, UnknownTopic
+from bus.inprocess import InProcessBus
+from bus.kafka import KafkaBus, KafkaSettings
+from bus.topics import request_topics
+from schemas.messages import CancelRequest, GenerationRequest, SamplingParams
+
+
+@pytest.fixture(params=["inprocess", pytest.param("kafka", marks=pytest.mark.kafka)])
+async def bus(request) -> Bus:
+    if request.param == "inprocess":
+        instance: Bus = InProcessBus()
+    else:
+        bootstrap = request.getfixturevalue("kafka_bootstrap")
+        instance = KafkaBus(KafkaSettings(bootstrap_servers=bootstrap, session_timeout_ms=6000), client_id="test")
+    await instance.start()
+    yield instance
+    await instance.close()
+
+
+def _request(priority: int, label: str) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=label,
+        model="m",
+        prompt_text=label,
+        sampling=SamplingParams(seed=1),
+        priority=priority,
+        arrival=time.time(),
+        deadline=time.time() + 60,
+        reply_to="r",
+    )
+
+
+async def _next(listener, timeout_s: float = 10.0):
+    iterator = listener.__aiter__()
+    return await asyncio.wait_for(anext(iterator), timeout_s), iterator
+
+
+async def test_a_listener_sees_what_is_published_after_it_opened(bus, topic_prefix):
+    topic = f"{topic_prefix}.control"
+    await bus.create_topics({topic: 1})
+    await bus.publish(topic, CancelRequest(request_id="before", reason="x"))
+    listener = await bus.listen(topic)
+    try:
+        for label in ("a", "b", "c"):
+            await bus.publish(topic, CancelRequest(request_id=label, reason="x"))
+        first, iterator = await _next(listener)
+        second = await asyncio.wait_for(anext(iterator), 10)
+        third = await asyncio.wait_for(anext(iterator), 10)
+        assert [m.request_id for m in (first, second, third)] == ["a", "b", "c"]
+    finally:
+        await listener.close()
+
+
+async def test_every_listener_sees_every_message(bus, topic_prefix):
+    topic = f"{topic_prefix}.control"
+    await bus.create_topics({topic: 1})
+    listeners = [await bus.listen(topic), await bus.listen(topic)]
+    try:
+        await bus.publish(topic, CancelRequest(request_id="all", reason="x"))
+        for listener in listeners:
+            message, _ = await _next(listener)
+            assert message.request_id == "all"
+    finally:
+        for listener in listeners:
+            await listener.close()
+
+
+async def test_replay_delivers_the_recent_past(bus, topic_prefix):
+    topic = f"{topic_prefix}.control"
+    await bus.create_topics({topic: 1})
+    await bus.publish(topic, CancelRequest(request_id="earlier", reason="x"))
+    listener = await bus.listen(topic, replay_s=30)
+    try:
+        message, _ = await _next(listener)
+        assert message.request_id == "earlier"
+    finally:
+        await listener.close()
+
+
+async def test_requests_are_taken_most_urgent_first_and_within_the_limit(bus, topic_prefix):
+    topics = request_topics(topic_prefix, "m")
+    await bus.create_topics({t: 2 for t in topics})
+    queue = await bus.open_request_queue(topics, group=f"{topic_prefix}.workers")
+    try:
+        await queue.take(1, timeout_s=0.5)  # join the group before anything is published
+        await bus.publish(topics[4], _request(5, "low"))
+        await bus.publish(topics[4], _request(5, "low-2"))
+        await bus.publish(topics[0], _request(1, "urgent"))
+        await asyncio.sleep(1.0)  # everything fetched: now priority alone decides
+        taken = []
+        deadline = time.monotonic() + 20
+        while len(taken) < 3 and time.monotonic() < deadline:
+            batch = await queue.take(1, timeout_s=0.5)
+            assert len(batch) <= 1
+            taken.extend(batch)
+        assert [d.request.request_id for d in taken][0] == "urgent"
+        assert sorted(d.request.request_id for d in taken) == ["low", "low-2", "urgent"]
+        assert await queue.take(0, timeout_s=0.1) == []
+    finally:
+        await queue.close()
+
+
+@pytest.mark.kafka
+async def test_unfinished_requests_go_to_the_next_member_and_finished_ones_do_not(kafka_bootstrap, topic_prefix):
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, session_timeout_ms=6000)
+    bus = KafkaBus(settings, client_id="test")
+    await bus.start()
+    topics = request_topics(topic_prefix, "m")
+    group = f"{topic_prefix}.workers"
+    try:
+        await bus.create_topics({t: 1 for t in topics})
+        for label in ("one", "two", "three"):
+            await bus.publish(topics[4], _request(5, label))
+        first = await bus.open_request_queue(topics, group)
+        taken = []
+        while len(taken) < 3:
+            taken.extend(await first.take(3, timeout_s=1))
+        assert [d.request.request_id for d in taken] == ["one", "two", "three"]
+        first.finished(taken[0])
+        first.finished(taken[2])  # "two" is left unfinished, as by a crash
+        await first.close()
+
+        second = await bus.open_request_queue(topics, group)
+        again = []
+        deadline = time.monotonic() + 30
+        while len(again) < 2 and time.monotonic() < deadline:
+            again.extend(await second.take(3, timeout_s=1))
+        # Committed up to the first unfinished request: "two" comes back, and
+        # "three" with it (at least once); "one" never does.
+        assert [d.request.request_id for d in again] == ["two", "three"]
+        await second.close()
+    finally:
+        await bus.close()
+
+
+async def test_publishing_to_a_topic_nobody_created_fails_in_process():
+    bus = InProcessBus()
+    with pytest.raises(UnknownTopic):
+        await bus.publish(f"nowhere.{uuid.uuid4().hex}", CancelRequest(request_id="x", reason="x"))

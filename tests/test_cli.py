@@ -1,0 +1,53 @@
+"""Flags, and the TOKENRELAY_<FLAG> environment variables behind them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenrelay.cli import build_parser
+
+
+def _parse(monkeypatch, argv: list[str], env: dict[str, str] | None = None):
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    return build_parser().parse_args(argv)
+
+
+def test_defaults_are_mindie_s(monkeypatch):
+    args = _parse(monkeypatch, ["serve"])
+    assert (args.host, args.port) == ("127.0.0.1", 1025)
+    assert (args.max_iter_times, args.max_seq_len, args.max_input_len) == (512, 2560, 2048)
+
+
+def test_every_flag_can_come_from_the_environment(monkeypatch):
+    args = _parse(
+        monkeypatch,
+        ["worker"],
+        {
+            "TOKENRELAY_KAFKA_BOOTSTRAP": "broker:9092",
+            "TOKENRELAY_SERVED_MODEL_NAME": "llama_65b,tiny",
+            "TOKENRELAY_MAX_BATCH_SIZE": "7",
+            "TOKENRELAY_HEARTBEAT_INTERVAL": "0.5",
+        },
+    )
+    assert args.kafka_bootstrap == "broker:9092"
+    assert args.served_model_name == ["llama_65b", "tiny"]
+    assert args.max_batch_size == 7 and args.heartbeat_interval == 0.5
+
+
+def test_the_command_line_wins_over_the_environment(monkeypatch):
+    args = _parse(monkeypatch, ["gateway", "--port", "9000", "--kafka-bootstrap", "a:1"], {"TOKENRELAY_PORT": "8000"})
+    assert args.port == 9000
+
+
+def test_kafka_commands_need_a_broker(monkeypatch, capsys):
+    monkeypatch.delenv("TOKENRELAY_KAFKA_BOOTSTRAP", raising=False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gateway"])
+    assert "--kafka-bootstrap" in capsys.readouterr().err
+
+
+def test_help_names_the_environment_variable(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "TOKENRELAY_SERVED_MODEL_NAME" in capsys.readouterr().out

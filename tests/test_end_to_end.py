@@ -1,0 +1,242 @@
+"""A request's whole path, over real HTTP and WebSocket on loopback, through both topologies:
+
+- `tokenrelay serve`: gateway, worker and in-process bus in one process;
+- `tokenrelay gateway` + `tokenrelay worker`: two processes on a real Kafka broker.
+
+The same tests run against both. The expected text is what transformers'
+own greedy `generate` produces with the bundled model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import websockets
+
+from tests.processes import Process, free_port, spawn_tokenrelay, wait_ready
+from tests.reference import greedy_text
+from tests.spec_examples import GENERATE
+
+MODEL = "tokenrelay-tiny"
+ALIAS = "llama_65b"  # the model name of the spec's generate example
+# Greedy decoding with the bundled model ends PROMPT with EOS after a few
+# tokens and runs LONG_PROMPT on past 400 tokens.
+PROMPT = "The os module provides"
+LONG_PROMPT = "The following example"
+
+
+@dataclass
+class Deployment:
+    base_url: str
+    worker: Process  # the process whose log holds the worker's events
+    processes: list[Process]
+
+    @property
+    def ws_url(self) -> str:
+        return self.base_url.replace("http://", "ws://") + "/ws"
+
+
+@pytest.fixture(scope="module", params=["serve", pytest.param("kafka", marks=pytest.mark.kafka)])
+def deployment(request, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(request.param)
+    port = free_port()
+    names = ["--served-model-name", MODEL, ALIAS]
+    if request.param == "serve":
+        serve = spawn_tokenrelay(["serve", "--port", str(port), *names], logs / "serve.log")
+        processes, worker = [serve], serve
+    else:
+        kafka = [
+            "--kafka-bootstrap",
+            request.getfixturevalue("kafka_bootstrap"),
+            "--topic-prefix",
+            f"e2e{uuid.uuid4().hex[:8]}",
+        ]
+        worker = spawn_tokenrelay(["worker", *kafka, *names], logs / "worker.log")
+        gateway = spawn_tokenrelay(["gateway", "--port", str(port), *kafka], logs / "gateway.log")
+        processes = [worker, gateway]
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, MODEL, processes)
+        yield Deployment(base_url, worker, processes)
+    finally:
+        for process in processes:
+            assert process.stop() == 0, process.log_tail()
+
+
+def _stream_events(base_url: str, model: str, body: dict) -> list[dict]:
+    """The `data:` objects of a generate_stream answer, checking MindIE's framing on the way."""
+    events = []
+    with httpx.stream("POST", f"{base_url}/v2/models/{model}/generate_stream", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line:
+                assert line.startswith("data:{"), line  # no space after the colon on the Triton routes
+                events.append(json.loads(line[len("data:") :]))
+    return events
+
+
+def _finished(worker: Process, reason: str) -> list[dict]:
+    return [e for e in worker.events_named("request_finished") if e["finish_reason"] == reason]
+
+
+def test_generate_answers_what_transformers_generates_up_to_eos(deployment):
+    response = httpx.post(
+        f"{deployment.base_url}/v2/models/{MODEL}/generate",
+        json={"text_input": PROMPT, "parameters": {"max_new_tokens": 16}},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert set(body) == {"id", "model_name", "model_version", "text_output"}
+    assert body["model_name"] == MODEL and body["model_version"] is None
+    assert body["text_output"] == greedy_text(PROMPT, 16)
+    assert (
+        httpx.post(  # and again with details, which say why it ended
+            f"{deployment.base_url}/v2/models/{MODEL}/generate",
+            json={"text_input": PROMPT, "parameters": {"max_new_tokens": 16, "details": True}},
+            timeout=60,
+        ).json()["details"]["finish_reason"]
+        == "eos_token"
+    )
+
+
+def test_generate_stream_pieces_concatenate_to_the_generated_text(deployment):
+    events = _stream_events(
+        deployment.base_url,
+        MODEL,
+        {"id": "s1", "text_input": LONG_PROMPT, "parameters": {"max_new_tokens": 12, "details": True}},
+    )
+    assert len(events) == 12
+    assert "".join(e["text_output"] for e in events) == greedy_text(LONG_PROMPT, 12)
+    assert [e["details"]["generated_tokens"] for e in events] == list(range(1, len(events) + 1))
+    assert all(e["id"] == "s1" and e["model_name"] == MODEL and e["model_version"] is None for e in events)
+    assert events[-1]["details"]["finish_reason"] == "length"
+    assert all("finish_reason" not in e["details"] for e in events[:-1])
+    assert events[0]["prefill_time"] > 0 and events[0]["decode_time"] is None
+    assert all(e["prefill_time"] is None and e["decode_time"] > 0 for e in events[1:])
+    assert all(e["details"]["batch_size"] >= 1 and e["details"]["queue_wait_time"] >= 0 for e in events)
+
+
+def test_the_spec_generate_example_is_answered_under_its_model_name(deployment):
+    first = httpx.post(f"{deployment.base_url}/v2/models/{ALIAS}/generate", json=GENERATE, timeout=120)
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["id"] == "a123" and body["model_name"] == ALIAS and body["model_version"] is None
+    assert isinstance(body["text_output"], str) and body["text_output"]
+    details = body["details"]
+    assert set(details) == {"finish_reason", "generated_tokens", "first_token_cost", "decode_cost"}
+    assert details["finish_reason"] in ("length", "eos_token")
+    assert 1 <= details["generated_tokens"] <= 250
+    assert details["first_token_cost"] is None and details["decode_cost"] is None
+    # Seeded: the same request draws the same tokens.
+    again = httpx.post(f"{deployment.base_url}/v2/models/{ALIAS}/generate", json=GENERATE, timeout=120)
+    assert again.json() == body
+
+
+def test_priority_reaches_the_worker(deployment):
+    events = _stream_events(
+        deployment.base_url, MODEL, {"text_input": "urgent", "parameters": {"max_new_tokens": 2, "priority": 1}}
+    )
+    assert len(events) == 2
+    assert any(e["priority"] == 1 for e in deployment.worker.events_named("request_admitted"))
+
+
+def test_websocket_runs_streams_side_by_side_and_cancels_one(deployment):
+    async def scenario() -> dict[str, list[dict]]:
+        received: dict[str, list[dict]] = {"keep": [], "stop": []}
+        done: set[str] = set()
+        async with websockets.connect(deployment.ws_url) as socket:
+            for stream_id, tokens in (("keep", 12), ("stop", 400)):  # LONG_PROMPT: no early EOS
+                await socket.send(
+                    json.dumps(
+                        {
+                            "op": "generate_stream",
+                            "model": MODEL,
+                            "id": stream_id,
+                            "text_input": LONG_PROMPT,
+                            "parameters": {"max_new_tokens": tokens, "details": True},
+                        }
+                    )
+                )
+            while done != {"keep", "stop"}:
+                message = json.loads(await asyncio.wait_for(socket.recv(), 60))
+                if message.get("done"):
+                    done.add(message["id"])
+                    continue
+                received[message["id"]].append(message["data"])
+                if message["id"] == "stop" and len(received["stop"]) == 3:
+                    await socket.send(json.dumps({"op": "cancel", "id": "stop"}))
+        return received
+
+    cancelled_before = len(_finished(deployment.worker, "stop_sequence"))
+    received = asyncio.run(scenario())
+    assert "".join(e["text_output"] for e in received["keep"]) == greedy_text(LONG_PROMPT, 12)
+    assert received["keep"][-1]["details"]["finish_reason"] == "length"
+    assert 3 <= len(received["stop"]) < 400
+    _wait_for(lambda: len(_finished(deployment.worker, "stop_sequence")) > cancelled_before)
+
+
+def test_a_client_that_disconnects_stops_its_generation(deployment):
+    cancelled_before = len(_finished(deployment.worker, "stop_sequence"))
+    body = {"text_input": LONG_PROMPT, "parameters": {"max_new_tokens": 400}}
+    with httpx.stream("POST", f"{deployment.base_url}/v2/models/{MODEL}/generate_stream", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data:{")
+    _wait_for(lambda: len(_finished(deployment.worker, "stop_sequence")) > cancelled_before)
+    assert _finished(deployment.worker, "stop_sequence")[-1]["generated_tokens"] < 400
+
+
+def test_errors_name_what_is_wrong(deployment):
+    url = f"{deployment.base_url}/v2/models/{MODEL}/generate"
+    unknown = httpx.post(f"{deployment.base_url}/v2/models/nope/generate", json={"text_input": "x"})
+    assert unknown.status_code == 404 and unknown.json()["error_type"] == "NotFoundError"
+    cold = httpx.post(url, json={"text_input": "x", "parameters": {"temperature": 0}})
+    assert cold.status_code == 422 and cold.json()["error_type"] == "Input Validation Error"
+    assert (
+        "parameters.temperature" in cold.json()["error"] and "greater than 0.000001; received 0" in cold.json()["error"]
+    )
+    extra = httpx.post(url, json={"text_input": "x", "parameters": {"temprature": 0.5}})
+    assert extra.status_code == 422 and "parameters.temprature" in extra.json()["error"]
+    broken = httpx.post(url, content=b'{"text_input": ', headers={"content-type": "application/json"})
+    assert broken.status_code == 422 and broken.json()["error_type"] == "Input Validation Error"
+
+
+def test_health_and_readiness(deployment):
+    for path in (
+        "/health",
+        "/v2/health/live",
+        "/v2/health/ready",
+        f"/v2/models/{MODEL}/ready",
+        f"/v2/models/{ALIAS}/ready",
+    ):
+        assert httpx.get(deployment.base_url + path).status_code == 200, path
+    assert httpx.get(f"{deployment.base_url}/v2/models/nope/ready").status_code == 503
+
+
+@pytest.mark.kafka
+def test_the_gateway_answers_503_when_no_worker_serves_a_known_model(kafka_bootstrap, spawn, topic_prefix):
+    port = free_port()
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
+    worker = spawn("worker", *kafka, "--heartbeat-interval", "0.5")
+    gateway = spawn("gateway", "--port", str(port), *kafka)
+    base_url = f"http://127.0.0.1:{port}"
+    wait_ready(base_url, MODEL, [worker, gateway])
+    assert worker.stop() == 0  # a clean stop announces that it leaves
+    answer = httpx.post(f"{base_url}/v2/models/{MODEL}/generate", json={"text_input": "x"})
+    assert answer.status_code == 503 and answer.json()["error_type"] == "Service Unavailable"
+    assert httpx.get(f"{base_url}/v2/models/{MODEL}/ready").status_code == 503
+    assert httpx.post(f"{base_url}/v2/models/other/generate", json={"text_input": "x"}).status_code == 404
+
+
+def _wait_for(condition, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)

@@ -1,0 +1,98 @@
+"""The gateway's bookkeeping: in-flight requests and the directory of workers."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.directory import WorkerDirectory
+from gateway.inflight import DEADLINE_GRACE_S, InFlightRegistry
+from schemas.messages import (
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    ServedModel,
+    TokenEvent,
+    TokenEvents,
+    WorkerHeartbeat,
+)
+
+
+def _request(request_id: str, timeout_s: float = 60, attempt: int = 0) -> GenerationRequest:
+    now = time.time()
+    return GenerationRequest(
+        request_id=request_id,
+        attempt=attempt,
+        model="m",
+        prompt_text="x",
+        sampling=SamplingParams(seed=1),
+        arrival=now,
+        deadline=now + timeout_s,
+        reply_to="r",
+    )
+
+
+def _event(request_id: str, index: int, attempt: int = 0, last: bool = False) -> TokenEvent:
+    return TokenEvent(
+        request_id=request_id,
+        attempt=attempt,
+        index=index,
+        token_ids=[index],
+        text=f"<{index}>",
+        finish_reason=FinishReason.LENGTH if last else None,
+    )
+
+
+async def test_replies_reach_their_own_request_and_end_with_the_last_event():
+    registry = InFlightRegistry()
+    a, b = registry.open(_request("a")), registry.open(_request("b"))
+    registry.deliver(TokenEvents(worker_id="w", events=[_event("a", 0), _event("b", 0), _event("zzz", 0)]))
+    registry.deliver(TokenEvents(worker_id="w", events=[_event("a", 1, last=True), _event("b", 1, last=True)]))
+    assert [e.text async for e in a.events()] == ["<0>", "<1>"]
+    assert [e.text async for e in b.events()] == ["<0>", "<1>"]
+    assert a.finished and a.worker_ended
+
+
+async def test_events_of_another_attempt_are_dropped():
+    registry = InFlightRegistry()
+    inflight = registry.open(_request("a", attempt=2))
+    registry.deliver(TokenEvents(worker_id="old", events=[_event("a", 0, attempt=1), _event("a", 1, attempt=1)]))
+    registry.deliver(TokenEvents(worker_id="new", events=[_event("a", 0, attempt=2, last=True)]))
+    assert [(e.attempt, e.index) async for e in inflight.events()] == [(2, 0)]
+
+
+async def test_a_request_nobody_answers_ends_with_a_timeout_after_its_deadline():
+    registry = InFlightRegistry()
+    inflight = registry.open(_request("a", timeout_s=0.2))
+    started = time.monotonic()
+    [event] = [e async for e in inflight.events()]
+    assert 0.2 + DEADLINE_GRACE_S - 0.1 <= time.monotonic() - started < 0.2 + DEADLINE_GRACE_S + 1.0
+    assert event.finish_reason == FinishReason.STOP_SEQUENCE
+    assert (event.error.status, event.error.error_type) == (504, "Timeout")
+    assert inflight.finished and not inflight.worker_ended  # so the gateway tells the worker to stop
+
+
+def _heartbeat(worker: str, names: list[str], interval_s: float = 1.0, leaving: bool = False) -> WorkerHeartbeat:
+    model = ServedModel(
+        name=names[0], aliases=names, max_seq_len=2560, max_input_len=2048, max_iter_times=512, vocab_size=32000
+    )
+    return WorkerHeartbeat(worker_id=worker, model=model, running=0, capacity=8, interval_s=interval_s, leaving=leaving)
+
+
+def test_the_directory_knows_aliases_and_which_models_are_live():
+    directory = WorkerDirectory()
+    assert directory.lookup("tiny") is None and not directory.any_live()
+    directory.observe(_heartbeat("w1", ["tiny", "llama_65b"]))
+    directory.observe(_heartbeat("w2", ["tiny", "llama_65b"]))
+    assert directory.lookup("llama_65b").name == "tiny"
+    assert directory.live_workers("tiny") == 2
+    directory.observe(_heartbeat("w1", ["tiny"], leaving=True))
+    assert directory.live_workers("tiny") == 1
+
+
+def test_a_silent_worker_is_dead_after_three_intervals_but_its_model_stays_known():
+    directory = WorkerDirectory()
+    directory.observe(_heartbeat("w1", ["tiny"], interval_s=0.1))
+    assert directory.live_workers("tiny") == 1
+    time.sleep(0.35)
+    assert directory.live_workers("tiny") == 0 and not directory.any_live()
+    assert directory.lookup("tiny") is not None  # 503 rather than 404

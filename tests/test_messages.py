@@ -1,0 +1,73 @@
+"""The bus's wire format: typed, versioned, JSON."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from schemas.messages import (
+    CancelRequest,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+    TokenEvents,
+    decode,
+    encode,
+)
+
+
+def _request(**overrides) -> GenerationRequest:
+    fields = dict(
+        request_id="r1",
+        model="m",
+        prompt_text="hello",
+        sampling=SamplingParams(seed=7),
+        arrival=1.0,
+        deadline=2.0,
+        reply_to="tokenrelay.replies.g1",
+    )
+    return GenerationRequest(**{**fields, **overrides})
+
+
+def test_every_kind_survives_the_wire():
+    messages = [
+        _request(),
+        _request(prompt_text=None, prompt_token_ids=[1, 2, 3], priority=1, attempt=2),
+        TokenEvents(
+            worker_id="w",
+            events=[
+                TokenEvent(request_id="r1", index=0, token_ids=[5], text="é", prefill_time_ms=1.5, queue_wait_us=3),
+                TokenEvent(request_id="r1", index=1, token_ids=[2], finish_reason=FinishReason.EOS_TOKEN),
+            ],
+        ),
+        CancelRequest(request_id="r1", reason="client gone"),
+    ]
+    for message in messages:
+        assert decode(encode(message)) == message
+
+
+def test_seed_keeps_all_64_bits():
+    request = _request(sampling=SamplingParams(seed=2**64 - 1))
+    assert decode(encode(request)).sampling.seed == 2**64 - 1
+
+
+def test_a_request_has_exactly_one_prompt():
+    with pytest.raises(ValidationError, match="exactly one of prompt_text and prompt_token_ids"):
+        _request(prompt_token_ids=[1])
+    with pytest.raises(ValidationError, match="exactly one of prompt_text and prompt_token_ids"):
+        _request(prompt_text=None)
+
+
+def test_unknown_wire_version_is_refused():
+    payload = json.loads(encode(CancelRequest(request_id="r1", reason="x")))
+    payload["v"] = 2
+    with pytest.raises(ValidationError):
+        decode(json.dumps(payload).encode())
+
+
+def test_unknown_kind_and_garbage_are_refused():
+    with pytest.raises(ValidationError):
+        decode(b'{"v": 1, "kind": "reboot"}')
+    with pytest.raises(ValidationError):
+        decode(b"\x00not json")
