@@ -21,7 +21,8 @@ DEADLINE_GRACE_S = 1.0
 class InFlight:
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request
-        self.finished = False
+        self.finished = False  # its last event was handed out
+        self.worker_ended = False  # a worker said it is done with it (else it may still run)
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     def deliver(self, event: TokenEvent) -> None:
@@ -33,9 +34,11 @@ class InFlight:
             remaining = self.request.deadline + DEADLINE_GRACE_S - time.time()
             try:
                 event = await asyncio.wait_for(self._events.get(), max(remaining, 0.0))
+                self.worker_ended = event.finish_reason is not None or event.error is not None
+                self.finished = self.worker_ended
             except TimeoutError:
                 event = self._expired()
-            self.finished = event.finish_reason is not None or event.error is not None
+                self.finished = True
             yield event
 
     def _expired(self) -> TokenEvent:

@@ -131,14 +131,15 @@ class GatewayService:
         return inflight
 
     async def finish(self, inflight: InFlight) -> None:
-        """Forget a request; if it had not ended (client gone), tell its worker to stop."""
+        """Forget a request; if its worker may still run it (client gone, deadline), tell it to stop."""
         self.inflight.close(inflight.request.request_id)
-        if inflight.finished:
+        if inflight.worker_ended:
             return
+        reason = "deadline passed" if inflight.finished else "client gone"
         try:
             await self._bus.publish(
-                self._control_topic, CancelRequest(request_id=inflight.request.request_id, reason="client gone")
+                self._control_topic, CancelRequest(request_id=inflight.request.request_id, reason=reason)
             )
-            log.info("request_cancelled", reason="client gone")
+            log.info("request_cancelled", reason=reason)
         except (BusUnavailable, UnknownTopic) as error:
             log.warning("cancel_not_published", error=str(error))
