@@ -59,3 +59,31 @@ def test_top_p_keeps_only_the_nucleus():
 def test_largest_seed_is_usable():
     assert 0 <= noise_seed(2**64 - 1, 10**6) < 2**64
     _draw(SamplingParams(seed=2**64 - 1, do_sample=True), _logits(), index=3)
+
+
+def test_extreme_parameters_still_draw_a_token():
+    logits = _logits(4)
+    extremes = [
+        SamplingParams(
+            seed=1,
+            do_sample=True,
+            repetition_penalty=5e-324,
+            temperature=1.0000000000000002e-06,
+            top_p=1.0000000000000002e-06,
+            typical_p=5e-324,
+            top_k=1,
+        ),
+        SamplingParams(seed=1, do_sample=True, repetition_penalty=1e308),
+        SamplingParams(seed=1, repetition_penalty=5e-324),
+    ]
+    for params in extremes:
+        token = _draw(params, logits, history=(1, 2, 3))
+        assert 0 <= token < 1000
+
+
+def test_an_overflowed_penalty_keeps_its_meaning():
+    logits = torch.zeros(10)
+    logits[4] = 1.0
+    # Seen token 4 with a vanishing penalty: its score goes to +inf, so it must be drawn.
+    params = SamplingParams(seed=3, do_sample=True, repetition_penalty=5e-324)
+    assert {_draw(params, logits, history=(4,), index=i) for i in range(10)} == {4}

@@ -41,6 +41,25 @@ def logits_processors(params: SamplingParams) -> LogitsProcessorList:
     return processors
 
 
+def _finite_limit(scores: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Scores softmax can take, even after extreme parameters overflowed them.
+
+    A repetition penalty of 1e-300 or a temperature of 1e-6 may turn scores
+    into +inf (or inf - inf = nan). In the limit such a distribution puts all
+    its mass evenly on the +inf tokens, which is what this returns; with no
+    finite or +inf score left, the model's own logits decide.
+    """
+    if torch.isfinite(scores).all():
+        return scores
+    scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"))
+    infinite = torch.isposinf(scores)
+    if infinite.any():
+        return torch.where(infinite, 0.0, float("-inf"))
+    if torch.isneginf(scores).all():
+        return logits.float().unsqueeze(0)
+    return scores
+
+
 def noise_seed(seed: int, token_index: int) -> int:
     return (seed + (token_index + 1) * _GOLDEN_GAMMA) % _U64
 
@@ -58,7 +77,7 @@ def next_token(
     """
     scores = logits.float().unsqueeze(0)
     if processors:
-        scores = processors(torch.tensor([token_ids], device=logits.device), scores)
+        scores = _finite_limit(processors(torch.tensor([token_ids], device=logits.device), scores), logits)
     if not params.do_sample:
         return int(scores.argmax(dim=-1))
     probabilities = torch.softmax(scores, dim=-1)
