@@ -57,6 +57,9 @@ class GenerationRequest(_Message):
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams
     priority: int = Field(default=5, ge=1, le=5)
+    # A recomputation continues a generation that broke off: this many tokens
+    # were generated (and delivered) before, and count towards max_new_tokens.
+    tokens_before: int = Field(default=0, ge=0)
     arrival: float  # unix time the gateway received it
     deadline: float  # unix time after which nobody waits for it any more
     reply_to: str  # the topic of the gateway that waits for the tokens

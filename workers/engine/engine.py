@@ -139,10 +139,13 @@ class Engine:
                 request,
                 f"the prompt has {len(prompt_ids)} tokens after tokenization; at most {self.max_input_len} are allowed",
             )
+        budget = min(request.sampling.max_new_tokens, self._limits.max_iter_times) - request.tokens_before
+        if budget < 1:
+            raise _Rejected(request, f"no token is left to generate after the {request.tokens_before} generated before")
         return Sequence(
             request=request,
             prompt_ids=prompt_ids,
-            max_new_tokens=min(request.sampling.max_new_tokens, self._limits.max_iter_times),
+            max_new_tokens=budget,
             processors=logits_processors(request.sampling),
             detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
             received_at=received_at,
@@ -160,7 +163,7 @@ class Engine:
             try:
                 logits = self._runner.next_logits(sequence)
                 token = next_token(
-                    logits, sequence.token_ids, sequence.request.sampling, sequence.processors, len(sequence.generated)
+                    logits, sequence.token_ids, sequence.request.sampling, sequence.processors, sequence.next_index
                 )
             except Exception as error:  # a broken model must fail its request, not the worker
                 log.exception("step_failed", request_id=sequence.request_id)

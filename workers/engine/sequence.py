@@ -16,7 +16,7 @@ from workers.engine.detokenizer import IncrementalDetokenizer
 class Sequence:
     request: GenerationRequest
     prompt_ids: list[int]
-    max_new_tokens: int  # the request's, capped by the engine's limits
+    max_new_tokens: int  # left to generate: the request's, capped by the engine, less tokens_before
     processors: LogitsProcessorList
     detokenizer: IncrementalDetokenizer
     received_at: float  # time.monotonic() when the worker took the request
@@ -34,6 +34,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.generated
 
+    @property
+    def next_index(self) -> int:
+        """The request-wide index of the next token (recomputed tokens count)."""
+        return self.request.tokens_before + len(self.generated)
+
     def append(self, token_id: int, started_at: float, batch_size: int, finish: FinishReason | None) -> TokenEvent:
         """Record a generated token and describe it as an event.
 
@@ -42,7 +47,10 @@ class Sequence:
         """
         now = time.monotonic()
         first = not self.generated
+        # A recomputed request's first new token is not the request's first token.
+        first_of_request = first and self.request.tokens_before == 0
         waited_since = self.admitted_at if first else self.last_token_at
+        since_previous = now - (self.received_at if first else self.last_token_at)
         self.generated.append(token_id)
         text = self.detokenizer.add(token_id)
         if finish is not None:
@@ -51,12 +59,12 @@ class Sequence:
         event = TokenEvent(
             request_id=self.request_id,
             attempt=self.request.attempt,
-            index=len(self.generated) - 1,
+            index=self.next_index - 1,
             token_ids=[token_id],
             text=text,
             prompt_tokens=len(self.prompt_ids) if first else None,
-            prefill_time_ms=(now - self.received_at) * 1000 if first else None,
-            decode_time_ms=None if first else (now - self.last_token_at) * 1000,
+            prefill_time_ms=since_previous * 1000 if first_of_request else None,
+            decode_time_ms=None if first_of_request else since_previous * 1000,
             queue_wait_us=int(max(0.0, started_at - waited_since) * 1e6),
             batch_size=batch_size,
             finish_reason=finish,
@@ -70,7 +78,7 @@ class Sequence:
         return TokenEvent(
             request_id=self.request_id,
             attempt=self.request.attempt,
-            index=len(self.generated),
+            index=self.next_index,
             text=self.detokenizer.flush(),
             finish_reason=reason,
             error=error,
