@@ -1,91 +1,36 @@
-"""Bodies of the Triton-compatible routes: /v2/models/{model}/generate and generate_stream.
+"""Bodies of the Triton-compatible routes: /v2/models/{model}/generate, generate_stream, infer.
 
 Field names, types and ranges are MindIE's (../shared/spec/API.md decides
-where its pages disagree). Every optional parameter may be sent as `null`,
-which means "not given". Unknown fields are refused, never ignored.
+where its pages disagree). Unknown fields are refused, never ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, model_validator
 
-from schemas.messages import SamplingParams
+from schemas.multimodal import MultimodalInput
+from schemas.parameters import (
+    STRICT,
+    GenerateParameters,
+    GenerateStreamParameters,
+    TritonInferParameters,
+)
 
-INT32_MAX = 2**31 - 1
-UINT64_MAX = 2**64 - 1
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
-DEFAULT_MAX_NEW_TOKENS = 20
+MAX_PROMPT_TOKENS = 1024 * 1024  # the contract's cap, whatever the model allows
+UINT32_MAX = 2**32 - 1
 
-# strict: 5.0 is not an int and "5" is not a number; ints are still accepted as floats.
-_STRICT = ConfigDict(extra="forbid", strict=True)
-
-
-class SamplingParameters(BaseModel):
-    """The sampling parameters every Triton route accepts."""
-
-    model_config = _STRICT
-
-    details: bool | None = Field(None, description="Return generation details.")
-    do_sample: bool | None = Field(
-        None,
-        description="Sample rather than take the likeliest token; absent: sample iff a sampling parameter asks.",
-    )
-    max_new_tokens: int | None = Field(
-        None, gt=0, le=INT32_MAX, description="At most this many new tokens (also capped by maxIterTimes); default 20."
-    )
-    repetition_penalty: float | None = Field(None, gt=0.0, description="1.0 = off.")
-    seed: int | None = Field(None, gt=0, le=UINT64_MAX, description="Absent: the server draws one.")
-    temperature: float | None = Field(None, gt=1e-6, description="Default 1.0.")
-    top_k: int | None = Field(None, ge=0, le=INT32_MAX, description="0 = off.")
-    top_p: float | None = Field(None, gt=1e-6, le=1.0, description="Default 1.0.")
-    batch_size: int | None = Field(None, gt=0, le=INT32_MAX, description="Informational.")
-    typical_p: float | None = Field(None, gt=0.0, le=1.0, description="Absent: off.")
-    watermark: bool | None = Field(None, description="Accepted; watermarking is not implemented.")
-
-    def wants_sampling(self) -> bool:
-        if self.do_sample is not None:
-            return self.do_sample
-        return (
-            (self.temperature is not None and self.temperature != 1.0)
-            or (self.top_k is not None and self.top_k > 0)
-            or (self.top_p is not None and self.top_p < 1.0)
-            or self.typical_p is not None
-        )
-
-    def sampling(self, seed: int) -> SamplingParams:
-        """The parameters a worker applies, defaults filled in; `seed` is used when none was given."""
-        return SamplingParams(
-            do_sample=self.wants_sampling(),
-            temperature=self.temperature if self.temperature is not None else 1.0,
-            top_k=self.top_k or 0,
-            top_p=self.top_p if self.top_p is not None else 1.0,
-            typical_p=self.typical_p,
-            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
-            seed=self.seed if self.seed is not None else seed,
-            max_new_tokens=self.max_new_tokens if self.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS,
-        )
-
-
-class GenerateParameters(SamplingParameters):
-    perf_stat: bool | None = Field(None, description="Accepted for compatibility.")
-
-
-class GenerateStreamParameters(SamplingParameters):
-    top_k: int | None = Field(None, gt=0, le=INT32_MAX)
-    priority: int | None = Field(None, ge=1, le=5, description="1 is the most urgent; default 5.")
-    timeout: int | None = Field(None, gt=0, le=3600, description="Seconds from arrival to the last token; default 600.")
-    firstTokenCost: int | None = Field(None, ge=0, le=UINT64_MAX, description="Recomputation only.")
-    decodeTime: list[Annotated[int, Field(ge=0, le=UINT64_MAX)]] | None = Field(None, description="Recomputation only.")
+RequestId = Annotated[str | None, Field(pattern=REQUEST_ID_PATTERN, description="Absent: the server makes one up.")]
 
 
 class GenerateRequest(BaseModel):
     """POST /v2/models/{model}/generate"""
 
-    model_config = _STRICT
+    model_config = STRICT
 
-    id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
+    id: RequestId = None
     text_input: str = Field(min_length=1, max_length=512 * 1024)
     parameters: GenerateParameters = GenerateParameters()
 
@@ -93,11 +38,64 @@ class GenerateRequest(BaseModel):
 class GenerateStreamRequest(BaseModel):
     """POST /v2/models/{model}/generate_stream"""
 
-    model_config = _STRICT
+    model_config = STRICT
 
-    id: str | None = Field(None, pattern=REQUEST_ID_PATTERN)
-    text_input: str = Field(min_length=1, max_length=4 * 1024 * 1024)
+    id: RequestId = None
+    text_input: Annotated[str, Field(min_length=1, max_length=4 * 1024 * 1024)] | MultimodalInput
     parameters: GenerateStreamParameters = GenerateStreamParameters()
+
+
+class InferInput(BaseModel):
+    model_config = STRICT
+
+    name: Literal["input0"]
+    shape: list[int] = Field(min_length=1, max_length=2, description="[n] or [1, n], n the length of data.")
+    datatype: Literal["UINT32"]
+    data: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] = Field(
+        min_length=1, max_length=MAX_PROMPT_TOKENS, description="Prompt token ids."
+    )
+    parameters: TritonInferParameters | None = None
+
+    @model_validator(mode="after")
+    def _shape_fits_data(self) -> InferInput:
+        if self.shape not in ([len(self.data)], [1, len(self.data)]):
+            raise ValueError(f"shape {self.shape} does not fit data of length {len(self.data)}: use [n] or [1, n]")
+        return self
+
+
+class InferOutputRequest(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(min_length=1, max_length=256)
+
+
+class InferRequest(BaseModel):
+    """POST /v2/models/{model}/infer: token ids in, token ids out."""
+
+    model_config = STRICT
+
+    id: RequestId = None
+    inputs: list[InferInput] = Field(min_length=1, max_length=1)
+    outputs: list[InferOutputRequest] = Field(min_length=1, max_length=1)
+    parameters: TritonInferParameters | None = Field(None, description="Also accepted as inputs[0].parameters.")
+
+    @model_validator(mode="after")
+    def _parameters_once(self) -> InferRequest:
+        if self.parameters is not None and self.inputs[0].parameters is not None:
+            raise ValueError("give parameters either at the top level or in inputs[0], not both")
+        return self
+
+    @property
+    def effective_parameters(self) -> TritonInferParameters:
+        return self.parameters or self.inputs[0].parameters or TritonInferParameters()
+
+
+class StopInferRequest(BaseModel):
+    """POST /v2/models/{model}/stopInfer"""
+
+    model_config = STRICT
+
+    id: str = Field(pattern=REQUEST_ID_PATTERN, description="The id the request was sent with.")
 
 
 class _TokenCounts(BaseModel):
@@ -133,3 +131,39 @@ class StreamEvent(_Output):
     details: StreamDetails | None = Field(None, description="Present when parameters.details is true.")
     prefill_time: float | None = Field(None, description="Milliseconds to the first token, on the first event.")
     decode_time: float | None = Field(None, description="Milliseconds since the previous token, on later events.")
+
+
+class InferOutput(BaseModel):
+    name: str
+    shape: list[int] = Field(description="[1, n]")
+    datatype: Literal["UINT32"] = "UINT32"
+    data: list[int] = Field(description="The generated token ids.")
+
+
+class InferResponse(BaseModel):
+    id: str
+    outputs: list[InferOutput]
+
+
+class TensorMetadata(BaseModel):
+    name: str
+    datatype: Literal["UINT32"] = "UINT32"
+    shape: list[int] = [-1]
+
+
+class ModelMetadata(BaseModel):
+    """GET /v2/models/{model}, as KServe v2 describes a model."""
+
+    name: str
+    versions: list[str] = []
+    platform: str = "transformers"
+    inputs: list[TensorMetadata] = [TensorMetadata(name="input0")]
+    outputs: list[TensorMetadata] = [TensorMetadata(name="output0")]
+
+
+class ServerMetadata(BaseModel):
+    """GET /v2, as KServe v2 describes a server."""
+
+    name: str = "tokenrelay"
+    version: str
+    extensions: list[str] = []

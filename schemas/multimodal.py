@@ -1,0 +1,67 @@
+"""Multimodal input: `text_input` (generate_stream) or `inputs` (/infer) given as a list.
+
+Items are `{"type": "text", "text": ...}` or `{"type": "image_url" | "video_url" |
+"audio_url", "<type>": "<data: URI, path under the media directory, or http(s) URL>"}`.
+`type` may be left out when the item's one content key says it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Discriminator, Field, Tag
+
+from schemas.parameters import STRICT
+
+MAX_ITEMS = 20
+MEDIA_KINDS = ("image_url", "video_url", "audio_url")
+
+
+class TextItem(BaseModel):
+    model_config = STRICT
+    type: Literal["text"] = "text"
+    text: str = Field(min_length=1)
+
+
+class ImageItem(BaseModel):
+    model_config = STRICT
+    type: Literal["image_url"] = "image_url"
+    image_url: str = Field(min_length=1, description="JPG or PNG; at most 40 MB.")
+
+
+class VideoItem(BaseModel):
+    model_config = STRICT
+    type: Literal["video_url"] = "video_url"
+    video_url: str = Field(min_length=1, description="MP4, AVI or WMV; at most 512 MB.")
+
+
+class AudioItem(BaseModel):
+    model_config = STRICT
+    type: Literal["audio_url"] = "audio_url"
+    audio_url: str = Field(min_length=1, description="MP3, WAV or FLAC; at most 40 MB.")
+
+
+MediaItem = ImageItem | VideoItem | AudioItem
+
+
+def _kind(item) -> str | None:
+    if not isinstance(item, dict):
+        return getattr(item, "type", None)
+    if "type" in item:
+        return item["type"] if isinstance(item["type"], str) else None
+    present = [key for key in ("text", *MEDIA_KINDS) if key in item]
+    return present[0] if len(present) == 1 else None
+
+
+MultimodalItem = Annotated[
+    Annotated[TextItem, Tag("text")]
+    | Annotated[ImageItem, Tag("image_url")]
+    | Annotated[VideoItem, Tag("video_url")]
+    | Annotated[AudioItem, Tag("audio_url")],
+    Discriminator(_kind),
+]
+MultimodalInput = Annotated[list[MultimodalItem], Field(min_length=1, max_length=MAX_ITEMS)]
+
+
+def media_reference(item: MediaItem) -> str:
+    return getattr(item, item.type)
