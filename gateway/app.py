@@ -7,13 +7,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from gateway import openapi
 from gateway.errors import install_handlers
-from gateway.routes import health, triton, websocket
+from gateway.media import MediaLoader
+from gateway.request_body import RequestBodies
+from gateway.routes import health, mindie, triton, websocket
 from gateway.service import GatewayService
 
 
-def create_app(service: GatewayService) -> FastAPI:
-    """An app that serves through `service`, which it starts and stops with itself."""
+def create_app(service: GatewayService, media: MediaLoader, max_request_bytes: int) -> FastAPI:
+    """An app that serves through `service`, which it starts and stops with itself.
+
+    Request bodies over `max_request_bytes` are refused (413) before they are parsed.
+    """
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -29,7 +35,11 @@ def create_app(service: GatewayService) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.gateway = service
+    app.state.media = media
+    app.add_middleware(RequestBodies, max_bytes=max_request_bytes)
     install_handlers(app)
+    openapi.install(app)
+    app.include_router(mindie.router)
     app.include_router(triton.router)
     app.include_router(health.router)
     app.include_router(websocket.router)

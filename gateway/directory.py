@@ -41,6 +41,10 @@ class WorkerDirectory:
         """The model clients call `name`, if any worker ever announced it."""
         return self._models.get(name)
 
+    def model_names(self) -> list[str]:
+        """The canonical names of every model ever announced."""
+        return sorted({model.name for model in self._models.values()})
+
     def live_workers(self, model: str) -> int:
         """Live workers serving the model of canonical name `model`."""
         now = time.monotonic()

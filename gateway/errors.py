@@ -34,6 +34,10 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, "Service Unavailable", message)
 
 
+def unprocessable(message: str) -> ApiError:
+    return ApiError(422, VALIDATION_ERROR, message)
+
+
 def describe_validation_error(error: dict) -> str:
     """One pydantic error as a sentence naming the field, the value and what is allowed."""
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
@@ -44,6 +48,9 @@ def describe_validation_error(error: dict) -> str:
         return f"{field} is required"
     if error.get("type") == "extra_forbidden":
         return f"{field} is not a known field"
+    if error.get("type") == "value_error":  # a model's own check: its message says it all
+        reason = str(error.get("ctx", {}).get("error", error.get("msg")))
+        return f"{field}: {reason}" if location else reason
     received = error.get("input")
     shown = repr(received) if not isinstance(received, (dict, list)) else type(received).__name__
     if isinstance(received, str) and len(received) > 64:

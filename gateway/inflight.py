@@ -19,8 +19,9 @@ DEADLINE_GRACE_S = 1.0
 
 
 class InFlight:
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, client_id: str) -> None:
         self.request = request
+        self.client_id = client_id  # the id the client knows it by
         self.finished = False  # its last event was handed out
         self.worker_ended = False  # a worker said it is done with it (else it may still run)
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -57,10 +58,14 @@ class InFlightRegistry:
     def __init__(self) -> None:
         self._requests: dict[str, InFlight] = {}
 
-    def open(self, request: GenerationRequest) -> InFlight:
-        inflight = InFlight(request)
+    def open(self, request: GenerationRequest, client_id: str) -> InFlight:
+        inflight = InFlight(request, client_id)
         self._requests[request.request_id] = inflight
         return inflight
+
+    def find(self, model: str, client_id: str) -> list[InFlight]:
+        """The requests for `model` that the client calls `client_id`."""
+        return [f for f in self._requests.values() if f.client_id == client_id and f.request.model == model]
 
     def close(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -18,7 +18,7 @@ import structlog
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.topics import control_topic, reply_topic, request_topic
 from gateway.directory import WorkerDirectory
-from gateway.errors import not_found, unavailable
+from gateway.errors import ApiError, not_found, unavailable
 from gateway.inflight import InFlight, InFlightRegistry
 from schemas.messages import CancelRequest, GenerationRequest, SamplingParams, ServedModel, TokenEvents, WorkerHeartbeat
 
@@ -35,6 +35,8 @@ class GatewaySettings:
     gateway_id: str = ""  # empty: a fresh random id per process
     default_timeout_s: int = 600
     default_priority: int = 5
+    default_model: str = ""  # what /infer_token and /infer serve; empty: the only model served
+    full_text: bool = False  # MindIE's fullTextEnabled: stream events carry the text so far
 
 
 class GatewayService:
@@ -81,6 +83,17 @@ class GatewayService:
             if isinstance(message, WorkerHeartbeat):
                 self.directory.observe(message)
 
+    def default_model_name(self) -> str:
+        """The model of the routes that name none (/infer_token, /infer)."""
+        if self._settings.default_model:
+            return self._settings.default_model
+        names = self.directory.model_names()
+        if len(names) == 1:
+            return names[0]
+        if not names:
+            raise unavailable("no worker is serving any model yet")
+        raise not_found(f"several models are served ({', '.join(names)}) and no default is set (--default-model)")
+
     def resolve(self, name: str) -> ServedModel:
         """The served model clients call `name`; 404 if nobody serves it, 503 if nobody does now."""
         model = self.directory.lookup(name)
@@ -89,6 +102,10 @@ class GatewayService:
         if not self.directory.live_workers(model.name):
             raise unavailable(f"no worker is serving model {name} right now")
         return model
+
+    @property
+    def settings(self) -> GatewaySettings:
+        return self._settings
 
     @staticmethod
     def draw_seed() -> int:
@@ -104,8 +121,13 @@ class GatewayService:
         prompt_token_ids: list[int] | None = None,
         priority: int | None = None,
         timeout_s: int | None = None,
+        tokens_before: int = 0,
+        client_id: str | None = None,
     ) -> InFlight:
-        """Publish a request for the model's workers; its events arrive on the returned InFlight."""
+        """Publish a request for the model's workers; its events arrive on the returned InFlight.
+
+        `client_id` is the id the client gave (stopInfer finds the request by it).
+        """
         now = time.time()
         request = GenerationRequest(
             request_id=uuid.uuid4().hex,
@@ -114,12 +136,13 @@ class GatewayService:
             prompt_token_ids=prompt_token_ids,
             sampling=sampling,
             priority=priority or self._settings.default_priority,
+            tokens_before=tokens_before,
             arrival=now,
             deadline=now + (timeout_s or self._settings.default_timeout_s),
             reply_to=self._reply_topic,
         )
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
-        inflight = self.inflight.open(request)
+        inflight = self.inflight.open(request, client_id or request.request_id)
         topic = request_topic(self._settings.topic_prefix, model.name, request.priority)
         try:
             await self._bus.publish(topic, request)
@@ -130,16 +153,29 @@ class GatewayService:
         log.info("request_published", topic=topic, model=model.name, priority=request.priority)
         return inflight
 
+    async def stop_requests(self, model_name: str, client_id: str) -> bool:
+        """stopInfer: cancel the running requests of that client id; False if there are none."""
+        model = self.resolve(model_name)
+        stopped = self.inflight.find(model.name, client_id)
+        for inflight in stopped:
+            await self._cancel(inflight, "stopInfer")
+        return bool(stopped)
+
+    async def _cancel(self, inflight: InFlight, reason: str) -> None:
+        try:
+            await self._bus.publish(
+                self._control_topic, CancelRequest(request_id=inflight.request.request_id, reason=reason)
+            )
+        except (BusUnavailable, UnknownTopic) as error:
+            raise unavailable(f"the message bus cannot take the cancellation now: {error}") from error
+        log.info("request_cancelled", request_id=inflight.request.request_id, reason=reason)
+
     async def finish(self, inflight: InFlight) -> None:
         """Forget a request; if its worker may still run it (client gone, deadline), tell it to stop."""
         self.inflight.close(inflight.request.request_id)
         if inflight.worker_ended:
             return
-        reason = "deadline passed" if inflight.finished else "client gone"
         try:
-            await self._bus.publish(
-                self._control_topic, CancelRequest(request_id=inflight.request.request_id, reason=reason)
-            )
-            log.info("request_cancelled", reason=reason)
-        except (BusUnavailable, UnknownTopic) as error:
-            log.warning("cancel_not_published", error=str(error))
+            await self._cancel(inflight, "deadline passed" if inflight.finished else "client gone")
+        except ApiError as error:  # nobody to answer: the worker's own deadline ends the request
+            log.warning("cancel_not_published", error=error.body.error)

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import uuid
+from pathlib import Path
 
 import structlog
 import uvicorn
@@ -27,6 +28,7 @@ from bus.base import Bus
 from bus.inprocess import InProcessBus
 from bus.kafka import KafkaBus, KafkaSettings
 from gateway.app import create_app
+from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
 from tokenrelay import logs
 from workers.engine.engine import EngineLimits
@@ -41,12 +43,15 @@ def _env_name(flag: str) -> str:
     return "TOKENRELAY_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def _option(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs) -> None:
-    """A flag whose default may come from TOKENRELAY_<FLAG>."""
-    env = _env_name(flag)
+def _option(parser: argparse.ArgumentParser, flag: str, *, help: str, env: str = "", **kwargs) -> None:
+    """A flag whose default may come from TOKENRELAY_<FLAG> (or the variable named by `env`)."""
+    env = env or _env_name(flag)
     value = os.environ.get(env)
     if value is not None:
-        kwargs["default"] = value.split(",") if kwargs.get("nargs") == "+" else value
+        if kwargs.get("action") == "store_true":
+            kwargs["default"] = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            kwargs["default"] = value.split(",") if kwargs.get("nargs") == "+" else value
         kwargs.pop("required", None)
     default = kwargs.get("default")
     shown = f"; default {default}" if default not in (None, "") else ""
@@ -62,6 +67,34 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--host", default="127.0.0.1", help="address to listen on")
     _option(parser, "--port", type=int, default=1025, help="port to listen on (MindIE's is 1025)")
     _option(parser, "--gateway-id", default="", help="this gateway's id, which names its reply topic; empty: random")
+    _option(parser, "--default-model", default="", help="the model of /infer_token and /infer; empty: the only one")
+    _option(
+        parser,
+        "--full-text-enabled",
+        action="store_true",
+        default=False,
+        help="stream events carry the text so far instead of the new piece (fullTextEnabled)",
+    )
+    _option(
+        parser,
+        "--max-request-length",
+        type=int,
+        default=40,
+        help="largest request body in MB; larger ones get 413 (maxRequestLength)",
+    )
+    _option(
+        parser,
+        "--media-dir",
+        default="/data/multimodal_inputs",
+        help="the only directory multimodal input may read local files from",
+    )
+    _option(
+        parser,
+        "--allowed-media-domains",
+        default="",
+        env="ALLOWED_MEDIA_DOMAINS_ENV",
+        help="comma-separated hosts multimodal input may fetch http(s) URLs from",
+    )
 
 
 def _worker_options(parser: argparse.ArgumentParser) -> None:
@@ -163,8 +196,20 @@ def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
 
 
 def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
-    service = GatewayService(bus, GatewaySettings(topic_prefix=args.topic_prefix, gateway_id=args.gateway_id))
-    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_config=None, access_log=False)
+    settings = GatewaySettings(
+        topic_prefix=args.topic_prefix,
+        gateway_id=args.gateway_id,
+        default_model=args.default_model,
+        full_text=args.full_text_enabled,
+    )
+    media = MediaLoader(
+        MediaPolicy(
+            media_dir=Path(args.media_dir),
+            allowed_domains=MediaPolicy.parse_domains(args.allowed_media_domains),
+        )
+    )
+    app = create_app(GatewayService(bus, settings), media, max_request_bytes=args.max_request_length * 1024 * 1024)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False)
     return _Server(config)
 
 

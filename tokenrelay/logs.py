@@ -39,6 +39,7 @@ def configure(level: str = "info", process: str = "tokenrelay") -> None:
             foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,  # tracebacks of library records, as text
                 _add_process(process),
                 structlog.processors.JSONRenderer(),
             ],

@@ -26,11 +26,9 @@ async def ready(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/v2/models/{model}/ready", responses={503: {"model": ErrorBody}})
+@router.get("/v2/models/{model}/ready", responses={404: {"model": ErrorBody}, 503: {"model": ErrorBody}})
 async def model_ready(model: str, request: Request) -> Response:
-    """A live worker serves this model."""
+    """A live worker serves this model: 200; 503 while none does; 404 if none ever announced it."""
     service: GatewayService = request.app.state.gateway
-    served = service.directory.lookup(model)
-    if served is None or not service.directory.live_workers(served.name):
-        raise unavailable(f"no worker is serving model {model} yet")
+    service.resolve(model)
     return Response(status_code=200)

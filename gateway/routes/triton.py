@@ -1,38 +1,40 @@
-"""Triton-compatible text generation: /v2/models/{model}/generate and generate_stream."""
+"""Triton-compatible routes: generate, generate_stream, infer (token ids), stopInfer, metadata."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from importlib.metadata import version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import HTTPConnection
 
-from gateway.errors import ApiError, ErrorBody
-from gateway.inflight import InFlight
+from gateway.errors import ErrorBody, not_found
+from gateway.generation import complete, error_object, prompt_text, sse, start, stream
+from gateway.openapi import event_stream
 from gateway.service import GatewayService
 from schemas.messages import TokenEvent
 from schemas.triton import (
     GenerateRequest,
     GenerateResponse,
     GenerateStreamRequest,
+    InferRequest,
+    InferResponse,
+    ModelMetadata,
+    ServerMetadata,
+    StopInferRequest,
     StreamEvent,
 )
 
 router = APIRouter(tags=["Triton-compatible"])
 
-_ERRORS = {status: {"model": ErrorBody} for status in (404, 422, 424, 500, 503, 504)}
+_ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 424, 500, 503, 504)}
 
 
-def _error(event: TokenEvent) -> ApiError:
-    assert event.error is not None
-    return ApiError(event.error.status, event.error.error_type, event.error.message)
-
-
-def stream_event(client_id: str, model_name: str, event: TokenEvent, details: bool) -> dict:
+def stream_event(client_id: str, model_name: str, event: TokenEvent, text: str, details: bool) -> dict:
     """One generate_stream event, keys in the order of MindIE's examples."""
-    body: dict = {"id": client_id, "model_name": model_name, "model_version": None, "text_output": event.text}
+    body: dict = {"id": client_id, "model_name": model_name, "model_version": None, "text_output": text}
     if details:
         body["details"] = {
             **({"finish_reason": event.finish_reason.value} if event.finish_reason else {}),
@@ -47,78 +49,50 @@ def stream_event(client_id: str, model_name: str, event: TokenEvent, details: bo
     return body
 
 
-async def start_stream(
-    service: GatewayService, model_name: str, body: GenerateStreamRequest
-) -> tuple[InFlight, AsyncIterator[dict]]:
-    """Submit a generate_stream request and wait for its first event.
+async def stream_objects(
+    connection: HTTPConnection, model_name: str, body: GenerateStreamRequest
+) -> AsyncIterator[dict]:
+    """Submit a generate_stream body and render its events (an ApiError raises before the first).
 
-    Errors known before the first token (unknown model, prompt too long,
-    timeout) raise ApiError, so that they can still be answered with their
-    status; later ones become the stream's last object, {"error", "error_type"}.
+    `connection` is the HTTP request or the WebSocket it came over.
     """
+    service: GatewayService = connection.app.state.gateway
     parameters = body.parameters
-    inflight = await service.submit(
-        service.resolve(model_name),
-        parameters.sampling(seed=service.draw_seed()),
-        prompt_text=body.text_input,
-        priority=parameters.priority,
-        timeout_s=parameters.timeout,
+    inflight = await start(
+        service,
+        model_name,
+        parameters,
+        text=await prompt_text(body.text_input, model_name, connection.app.state.media),
+        tokens_before=parameters.tokens_before,
+        client_id=body.id,
     )
-    client_id = body.id or inflight.request.request_id
-    events = inflight.events()
-    try:
-        first = await anext(events)
-    except BaseException:
-        await service.finish(inflight)
-        raise
-    if first.error is not None:
-        await service.finish(inflight)
-        raise _error(first)
+    events = await stream(service, inflight)
 
-    async def objects() -> AsyncIterator[dict]:
-        try:
-            yield stream_event(client_id, model_name, first, bool(parameters.details))
+    async def render() -> AsyncIterator[dict]:
+        so_far = ""
+        async with aclosing(events):
             async for event in events:
                 if event.error is not None:
-                    yield ErrorBody(error=event.error.message, error_type=event.error.error_type).model_dump()
-                else:
-                    yield stream_event(client_id, model_name, event, bool(parameters.details))
-        finally:
-            await service.finish(inflight)
+                    yield error_object(event)
+                    continue
+                so_far += event.text
+                text = so_far if service.settings.full_text else event.text
+                yield stream_event(inflight.client_id, model_name, event, text, parameters.wants_details)
 
-    return inflight, objects()
+    return render()
 
 
 @router.post("/v2/models/{model}/generate", response_model=GenerateResponse, responses=_ERRORS)
 async def generate(model: str, body: GenerateRequest, request: Request) -> JSONResponse:
     """Generate text for a prompt and answer with all of it at once."""
     service: GatewayService = request.app.state.gateway
-    inflight = await service.submit(
-        service.resolve(model),
-        body.parameters.sampling(seed=service.draw_seed()),
-        prompt_text=body.text_input,
-    )
-    pieces: list[str] = []
-    last: TokenEvent | None = None
-    try:
-        async for event in inflight.events():
-            if event.error is not None:
-                raise _error(event)
-            pieces.append(event.text)
-            last = event
-    finally:
-        await service.finish(inflight)
-    assert last is not None and last.finish_reason is not None
-    answer: dict = {
-        "id": body.id or inflight.request.request_id,
-        "model_name": model,
-        "model_version": None,
-        "text_output": "".join(pieces),
-    }
-    if body.parameters.details:
+    inflight = await start(service, model, body.parameters, text=body.text_input, client_id=body.id)
+    done = await complete(service, inflight)
+    answer: dict = {"id": inflight.client_id, "model_name": model, "model_version": None, "text_output": done.text}
+    if body.parameters.wants_details:
         answer["details"] = {
-            "finish_reason": last.finish_reason.value,
-            "generated_tokens": last.index + len(last.token_ids),
+            "finish_reason": done.finish_reason.value,
+            "generated_tokens": done.generated_tokens,
             "first_token_cost": None,
             "decode_cost": None,
         }
@@ -127,15 +101,49 @@ async def generate(model: str, body: GenerateRequest, request: Request) -> JSONR
 
 @router.post(
     "/v2/models/{model}/generate_stream",
-    responses={200: {"content": {"text/event-stream": {"schema": StreamEvent.model_json_schema()}}}, **_ERRORS},
+    responses={200: event_stream(StreamEvent, "One `data:{...}` event per token."), **_ERRORS},
 )
 async def generate_stream(model: str, body: GenerateStreamRequest, request: Request) -> StreamingResponse:
     """Generate text for a prompt and stream it as server-sent events, `data:{...}` per token."""
-    _, objects = await start_stream(request.app.state.gateway, model, body)
+    objects = await stream_objects(request, model, body)
 
     async def frames() -> AsyncIterator[str]:
         async with aclosing(objects):  # closing it tells the worker to stop, if it has not ended
             async for obj in objects:
-                yield "data:" + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+                yield sse(obj, space=False)
 
     return StreamingResponse(frames(), media_type="text/event-stream")
+
+
+@router.post("/v2/models/{model}/infer", response_model=InferResponse, responses=_ERRORS)
+async def infer(model: str, body: InferRequest, request: Request) -> JSONResponse:
+    """Generate from prompt token ids; answer with the generated token ids."""
+    service: GatewayService = request.app.state.gateway
+    inflight = await start(service, model, body.effective_parameters, token_ids=body.inputs[0].data, client_id=body.id)
+    done = await complete(service, inflight)
+    output = {"name": body.outputs[0].name, "shape": [1, len(done.token_ids)], "datatype": "UINT32"}
+    return JSONResponse({"id": inflight.client_id, "outputs": [{**output, "data": done.token_ids}]})
+
+
+@router.post("/v2/models/{model}/stopInfer", response_model=StopInferRequest, responses=_ERRORS)
+async def stop_infer(model: str, body: StopInferRequest, request: Request) -> StopInferRequest:
+    """Stop the running request with this id; its stream ends with finish_reason stop_sequence."""
+    service: GatewayService = request.app.state.gateway
+    if not await service.stop_requests(model, body.id):
+        raise not_found(f"no request with id {body.id} is running for model {model}")
+    return body
+
+
+@router.get("/v2", response_model=ServerMetadata)
+async def server_metadata() -> ServerMetadata:
+    """The server's name and version (KServe v2)."""
+    return ServerMetadata(version=version("tokenrelay"))
+
+
+@router.get("/v2/models/{model}", response_model=ModelMetadata, responses={404: {"model": ErrorBody}})
+async def model_metadata(model: str, request: Request) -> ModelMetadata:
+    """The model's inputs and outputs (KServe v2): token ids in `input0`, token ids out of `output0`."""
+    service: GatewayService = request.app.state.gateway
+    if service.directory.lookup(model) is None:
+        raise not_found(f"model {model} is not served here")
+    return ModelMetadata(name=model)

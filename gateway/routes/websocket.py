@@ -11,8 +11,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from gateway.errors import VALIDATION_ERROR, ApiError, ErrorBody, describe_validation_error
-from gateway.routes.triton import start_stream
-from gateway.service import GatewayService
+from gateway.routes.triton import stream_objects
 from schemas.triton import GenerateStreamRequest
 from schemas.websocket import WsCancel, WsClientMessage, WsGenerateStream
 
@@ -23,9 +22,8 @@ log = structlog.get_logger(__name__)
 class _Socket:
     """One client connection: its streams, and one writer at a time."""
 
-    def __init__(self, websocket: WebSocket, service: GatewayService) -> None:
+    def __init__(self, websocket: WebSocket) -> None:
         self._websocket = websocket
-        self._service = service
         self._send_lock = asyncio.Lock()
         self.streams: dict[str, asyncio.Task] = {}
 
@@ -59,7 +57,7 @@ class _Socket:
     async def _stream(self, stream_id: str, message: WsGenerateStream) -> None:
         body = GenerateStreamRequest(id=stream_id, text_input=message.text_input, parameters=message.parameters)
         try:
-            _, objects = await start_stream(self._service, message.model, body)
+            objects = await stream_objects(self._websocket, message.model, body)
             async with aclosing(objects):  # closing it tells the worker to stop, if it has not ended
                 async for obj in objects:
                     await self.send({"id": stream_id, "data": obj})
@@ -78,7 +76,7 @@ class _Socket:
 async def websocket_streams(websocket: WebSocket) -> None:
     """Stream generate_stream events over a WebSocket; see schemas/websocket.py for the messages."""
     await websocket.accept()
-    socket = _Socket(websocket, websocket.app.state.gateway)
+    socket = _Socket(websocket)
     try:
         while True:
             await socket.handle(await websocket.receive_text())

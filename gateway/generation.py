@@ -1,0 +1,153 @@
+"""What every generation route does, whatever its format: check, submit, collect or stream.
+
+Routes differ only in their bodies and how they render tokens; this module
+turns a validated body into a published request (`start`) and its events into
+either one `Completion` or a stream whose first event has been seen, so that
+errors known before the first token keep their HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from gateway.errors import ApiError, unprocessable
+from gateway.inflight import InFlight
+from gateway.media import MediaLoader, MediaRefused
+from gateway.service import GatewayService
+from schemas.messages import FinishReason, ServedModel, TokenEvent
+from schemas.multimodal import MEDIA_KINDS, TextItem, media_reference
+from schemas.parameters import RouteParameters
+
+GENERATION_ERROR = "Generation Error"
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    generated_tokens: int  # EOS included, and tokens generated before a recomputation
+
+
+def _error(event: TokenEvent) -> ApiError:
+    assert event.error is not None
+    return ApiError(event.error.status, event.error.error_type, event.error.message)
+
+
+def check_prompt_tokens(model: ServedModel, token_ids: list[int]) -> None:
+    """424 for a token prompt the model cannot take, as a worker would answer, without asking one."""
+    outside = next((t for t in token_ids if t >= model.vocab_size), None)
+    if outside is not None:
+        raise ApiError(424, GENERATION_ERROR, f"token id {outside} is outside the vocabulary [0, {model.vocab_size})")
+    if len(token_ids) > model.max_input_len:
+        raise ApiError(
+            424,
+            GENERATION_ERROR,
+            f"the prompt has {len(token_ids)} tokens; at most {model.max_input_len} are allowed",
+        )
+
+
+async def prompt_text(text_input: str | list, model_name: str, media: MediaLoader) -> str:
+    """The text of a string or multimodal input; media are loaded (and checked) first.
+
+    Workers serve text-only causal LMs, so a media item that loads is then
+    refused with the contract's 422 naming the model and the media type.
+    """
+    if isinstance(text_input, str):
+        return text_input
+    for item in text_input:
+        if item.type in MEDIA_KINDS:
+            try:
+                await media.load(item.type, media_reference(item))
+            except MediaRefused as refused:
+                raise unprocessable(str(refused)) from None
+            kind = item.type.removesuffix("_url")
+            raise unprocessable(f"model {model_name} does not accept {kind} input")
+    return "\n".join(item.text for item in text_input if isinstance(item, TextItem))
+
+
+async def start(
+    service: GatewayService,
+    model_name: str,
+    parameters: RouteParameters,
+    *,
+    text: str | None = None,
+    token_ids: list[int] | None = None,
+    tokens_before: int = 0,
+    client_id: str | None = None,
+) -> InFlight:
+    """Resolve the model, check the prompt, publish the request."""
+    model = service.resolve(model_name)
+    if token_ids is not None:
+        check_prompt_tokens(model, token_ids)
+    return await service.submit(
+        model,
+        parameters.sampling(seed=service.draw_seed()),
+        prompt_text=text,
+        prompt_token_ids=token_ids,
+        priority=parameters.given("priority"),
+        timeout_s=parameters.given("timeout"),
+        tokens_before=tokens_before,
+        client_id=client_id,
+    )
+
+
+async def complete(service: GatewayService, inflight: InFlight) -> Completion:
+    """Every event of the request, as one answer; an error event raises ApiError."""
+    token_ids: list[int] = []
+    pieces: list[str] = []
+    last: TokenEvent | None = None
+    try:
+        async for event in inflight.events():
+            if event.error is not None:
+                raise _error(event)
+            token_ids.extend(event.token_ids)
+            pieces.append(event.text)
+            last = event
+    finally:
+        await service.finish(inflight)
+    assert last is not None and last.finish_reason is not None
+    return Completion(token_ids, "".join(pieces), last.finish_reason, last.index + len(last.token_ids))
+
+
+def sse(obj: dict, space: bool) -> str:
+    """One server-sent event: `data: {...}` on the native routes, `data:{...}` on the Triton ones."""
+    return ("data: " if space else "data:") + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def error_object(event: TokenEvent) -> dict:
+    """The last object of a stream that failed after it started."""
+    assert event.error is not None
+    return {"error": event.error.message, "error_type": event.error.error_type}
+
+
+async def stream(service: GatewayService, inflight: InFlight) -> AsyncIterator[TokenEvent]:
+    """The request's events, once the first has arrived.
+
+    An error as the first event raises ApiError here; a later one is yielded
+    as the stream's last event, for the route to render. Closing the iterator
+    early (client gone) cancels the request on its worker.
+    """
+    events = inflight.events()
+    try:
+        first = await anext(events)
+    except BaseException:
+        await service.finish(inflight)
+        raise
+    if first.error is not None:
+        await service.finish(inflight)
+        raise _error(first)
+
+    async def rest() -> AsyncIterator[TokenEvent]:
+        try:
+            yield first
+            async with aclosing(events):
+                async for event in events:
+                    yield event
+        finally:
+            await service.finish(inflight)
+
+    return rest()

@@ -1,0 +1,39 @@
+"""The OpenAPI document: FastAPI's, plus the event models of the server-sent-event routes.
+
+FastAPI documents JSON responses from their models; an event stream's events
+are documented here as `text/event-stream` content whose schema is the model
+of one event, registered under components like every other model.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+_EVENT_MODELS: list[type[BaseModel]] = []
+_REF = "#/components/schemas/{model}"
+
+
+def event_stream(event: type[BaseModel], description: str) -> dict:
+    """A `responses` entry for a route that streams `event` objects as server-sent events."""
+    _EVENT_MODELS.append(event)
+    return {
+        "description": description,
+        "content": {"text/event-stream": {"schema": {"$ref": _REF.format(model=event.__name__)}}},
+    }
+
+
+def install(app: FastAPI) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            _, definitions = models_json_schema(
+                [(model, "serialization") for model in _EVENT_MODELS], ref_template=_REF
+            )
+            document.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi

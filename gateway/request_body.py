@@ -1,0 +1,68 @@
+"""Request bodies before anything parses them: a size limit, and JSON whatever the label.
+
+A pure ASGI middleware:
+- a declared Content-Length over the limit is refused with 413 at once,
+  unread; a chunked body is read up to the limit and refused as soon as it
+  passes it;
+- every route here takes JSON, and MindIE's clients (curl -d among them)
+  often label it application/x-www-form-urlencoded or not at all, so a POST
+  body is handed on labelled application/json.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+PAYLOAD_TOO_LARGE = "Payload Too Large"
+
+
+class RequestBodies:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self._app = app
+        self._max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self._app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
+            await self._refuse(send, int(declared))
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self._max_bytes:
+                await self._refuse(send, len(body))
+                return
+            if not message.get("more_body", False):
+                break
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self._app(scope, _replay(bytes(body), receive), send)
+
+    async def _refuse(self, send: Send, size: int) -> None:
+        error = f"the request body has {size} bytes or more; at most {self._max_bytes} are allowed"
+        payload = json.dumps({"error": error, "error_type": PAYLOAD_TOO_LARGE}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields the buffered body once, then waits for the client as usual."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
