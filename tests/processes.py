@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -90,3 +91,27 @@ def wait_ready(base_url: str, model: str, processes: list[Process], timeout_s: f
         time.sleep(0.3)
     tails = "\n\n".join(f"{p.log_path.name}:\n{p.log_tail()}" for p in processes)
     raise AssertionError(f"{model} not ready at {base_url} within {timeout_s} s\n{tails}")
+
+
+class Served:
+    """A `tokenrelay serve` process and where it listens."""
+
+    def __init__(self, process: Process, base_url: str) -> None:
+        self.process = process
+        self.base_url = base_url
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+
+@contextlib.contextmanager
+def serving(log_dir: Path, *args: str, model: str = "tokenrelay-tiny", env: dict[str, str] | None = None):
+    """`tokenrelay serve ARGS` on a free port, ready for `model`, stopped (cleanly) on exit."""
+    port = free_port()
+    process = spawn_tokenrelay(["serve", "--port", str(port), *args], log_dir / "serve.log", env)
+    served = Served(process, f"http://127.0.0.1:{port}")
+    try:
+        wait_ready(served.base_url, model, [process])
+        yield served
+    finally:
+        assert process.stop() == 0, process.log_tail()

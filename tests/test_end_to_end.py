@@ -193,6 +193,27 @@ def test_a_client_that_disconnects_stops_its_generation(deployment):
     assert _finished(deployment.worker, "stop_sequence")[-1]["generated_tokens"] < 400
 
 
+def test_stop_infer_ends_a_running_stream_and_frees_its_slot(deployment):
+    stop_url = f"{deployment.base_url}/v2/models/{MODEL}/stopInfer"
+    missing = httpx.post(stop_url, json={"id": "nobody"})
+    assert missing.status_code == 404 and missing.json()["error_type"] == "NotFoundError"
+    body = {"id": "stopme", "text_input": LONG_PROMPT, "parameters": {"max_new_tokens": 400, "details": True}}
+    events = []
+    with httpx.stream("POST", f"{deployment.base_url}/v2/models/{MODEL}/generate_stream", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                events.append(json.loads(line[len("data:") :]))
+                if len(events) == 2:
+                    stopped = httpx.post(stop_url, json={"id": "stopme"})
+                    assert stopped.status_code == 200 and stopped.json() == {"id": "stopme"}
+    assert events[-1]["details"]["finish_reason"] == "stop_sequence"
+    assert 2 <= len(events) < 400
+    # The slot is free: the next request runs alone.
+    admitted_before = len(deployment.worker.events_named("request_admitted"))
+    httpx.post(f"{deployment.base_url}/v2/models/{MODEL}/generate", json={"text_input": "x"}, timeout=60)
+    assert deployment.worker.events_named("request_admitted")[admitted_before]["running"] == 1
+
+
 def test_errors_name_what_is_wrong(deployment):
     url = f"{deployment.base_url}/v2/models/{MODEL}/generate"
     unknown = httpx.post(f"{deployment.base_url}/v2/models/nope/generate", json={"text_input": "x"})
@@ -217,7 +238,7 @@ def test_health_and_readiness(deployment):
         f"/v2/models/{ALIAS}/ready",
     ):
         assert httpx.get(deployment.base_url + path).status_code == 200, path
-    assert httpx.get(f"{deployment.base_url}/v2/models/nope/ready").status_code == 503
+    assert httpx.get(f"{deployment.base_url}/v2/models/nope/ready").status_code == 404
 
 
 @pytest.mark.kafka

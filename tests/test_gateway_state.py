@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from bus.inprocess import InProcessBus
 from gateway.directory import WorkerDirectory
+from gateway.errors import ApiError
 from gateway.inflight import DEADLINE_GRACE_S, InFlightRegistry
+from gateway.service import GatewayService, GatewaySettings
 from schemas.messages import (
     FinishReason,
     GenerationRequest,
@@ -44,7 +49,7 @@ def _event(request_id: str, index: int, attempt: int = 0, last: bool = False) ->
 
 async def test_replies_reach_their_own_request_and_end_with_the_last_event():
     registry = InFlightRegistry()
-    a, b = registry.open(_request("a")), registry.open(_request("b"))
+    a, b = registry.open(_request("a"), "a"), registry.open(_request("b"), "b")
     registry.deliver(TokenEvents(worker_id="w", events=[_event("a", 0), _event("b", 0), _event("zzz", 0)]))
     registry.deliver(TokenEvents(worker_id="w", events=[_event("a", 1, last=True), _event("b", 1, last=True)]))
     assert [e.text async for e in a.events()] == ["<0>", "<1>"]
@@ -52,9 +57,19 @@ async def test_replies_reach_their_own_request_and_end_with_the_last_event():
     assert a.finished and a.worker_ended
 
 
+async def test_requests_are_found_by_model_and_client_id():
+    registry = InFlightRegistry()
+    mine = registry.open(_request("a"), "client-1")
+    registry.open(_request("b"), "client-2")
+    assert registry.find("m", "client-1") == [mine]
+    assert registry.find("other-model", "client-1") == [] and registry.find("m", "nobody") == []
+    registry.close("a")
+    assert registry.find("m", "client-1") == []
+
+
 async def test_events_of_another_attempt_are_dropped():
     registry = InFlightRegistry()
-    inflight = registry.open(_request("a", attempt=2))
+    inflight = registry.open(_request("a", attempt=2), "a")
     registry.deliver(TokenEvents(worker_id="old", events=[_event("a", 0, attempt=1), _event("a", 1, attempt=1)]))
     registry.deliver(TokenEvents(worker_id="new", events=[_event("a", 0, attempt=2, last=True)]))
     assert [(e.attempt, e.index) async for e in inflight.events()] == [(2, 0)]
@@ -62,7 +77,7 @@ async def test_events_of_another_attempt_are_dropped():
 
 async def test_a_request_nobody_answers_ends_with_a_timeout_after_its_deadline():
     registry = InFlightRegistry()
-    inflight = registry.open(_request("a", timeout_s=0.2))
+    inflight = registry.open(_request("a", timeout_s=0.2), "a")
     started = time.monotonic()
     [event] = [e async for e in inflight.events()]
     assert 0.2 + DEADLINE_GRACE_S - 0.1 <= time.monotonic() - started < 0.2 + DEADLINE_GRACE_S + 1.0
@@ -96,3 +111,18 @@ def test_a_silent_worker_is_dead_after_three_intervals_but_its_model_stays_known
     time.sleep(0.35)
     assert directory.live_workers("tiny") == 0 and not directory.any_live()
     assert directory.lookup("tiny") is not None  # 503 rather than 404
+
+
+def test_routes_without_a_model_use_the_only_one_or_the_configured_default():
+    service = GatewayService(InProcessBus(), GatewaySettings())
+    with pytest.raises(ApiError) as none_yet:
+        service.default_model_name()
+    assert none_yet.value.status == 503
+    service.directory.observe(_heartbeat("w1", ["tiny", "alias"]))
+    assert service.default_model_name() == "tiny"
+    service.directory.observe(_heartbeat("w2", ["other"]))
+    with pytest.raises(ApiError) as ambiguous:
+        service.default_model_name()
+    assert ambiguous.value.status == 404 and "--default-model" in ambiguous.value.body.error
+    configured = GatewayService(InProcessBus(), GatewaySettings(default_model="other"))
+    assert configured.default_model_name() == "other"
