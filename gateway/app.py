@@ -11,7 +11,7 @@ from gateway import openapi
 from gateway.errors import install_handlers
 from gateway.media import MediaLoader
 from gateway.request_body import RequestBodies
-from gateway.routes import health, mindie, triton, websocket
+from gateway.routes import health, metrics, mindie, triton, websocket
 from gateway.service import GatewayService
 
 
@@ -42,5 +42,6 @@ def create_app(service: GatewayService, media: MediaLoader, max_request_bytes: i
     app.include_router(mindie.router)
     app.include_router(triton.router)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(websocket.router)
     return app

@@ -24,6 +24,8 @@ class InFlight:
         self.client_id = client_id  # the id the client knows it by
         self.finished = False  # its last event was handed out
         self.worker_ended = False  # a worker said it is done with it (else it may still run)
+        self.generated_tokens = 0  # so far, EOS and recomputed tokens included
+        self.outcome: str | None = None  # the finish_reason, or the error_type, once it ended
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     def deliver(self, event: TokenEvent) -> None:
@@ -40,6 +42,10 @@ class InFlight:
             except TimeoutError:
                 event = self._expired()
                 self.finished = True
+            if event.token_ids:
+                self.generated_tokens = event.index + len(event.token_ids)
+            if self.finished:
+                self.outcome = event.error.error_type if event.error else event.finish_reason.value
             yield event
 
     def _expired(self) -> TokenEvent:

@@ -17,6 +17,7 @@ import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.topics import control_topic, reply_topic, request_topic
+from gateway import metrics
 from gateway.directory import WorkerDirectory
 from gateway.errors import ApiError, not_found, unavailable
 from gateway.inflight import InFlight, InFlightRegistry
@@ -143,11 +144,14 @@ class GatewayService:
         )
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         inflight = self.inflight.open(request, client_id or request.request_id)
+        metrics.started(inflight)
         topic = request_topic(self._settings.topic_prefix, model.name, request.priority)
         try:
             await self._bus.publish(topic, request)
         except (BusUnavailable, UnknownTopic) as error:
             self.inflight.close(request.request_id)
+            inflight.outcome = "Service Unavailable"
+            metrics.ended(inflight)
             log.warning("publish_failed", topic=topic, error=str(error))
             raise unavailable(f"the message bus cannot take the request now: {error}") from error
         log.info("request_published", topic=topic, model=model.name, priority=request.priority)
@@ -173,6 +177,7 @@ class GatewayService:
     async def finish(self, inflight: InFlight) -> None:
         """Forget a request; if its worker may still run it (client gone, deadline), tell it to stop."""
         self.inflight.close(inflight.request.request_id)
+        metrics.ended(inflight)
         if inflight.worker_ended:
             return
         try:

@@ -202,3 +202,28 @@ def test_full_text_enabled_streams_the_text_so_far(tmp_path):
         pieces = [e["token"]["text"] for e in tokens[:-1]]
         assert all(later.startswith(earlier) for earlier, later in zip(pieces, pieces[1:], strict=False))
         assert tokens[-1]["generated_text"].startswith(pieces[-1])
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{wanted}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_count_requests_and_tokens(server):
+    before = httpx.get(server.url("/metrics"))
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    body = {"text_input": LONG_PROMPT, "parameters": {"max_new_tokens": 3}}
+    assert httpx.post(server.url("/v2/models/llama3-70b/generate"), json=body, timeout=60).status_code == 200
+    after = httpx.get(server.url("/metrics")).text
+    model = "tokenrelay-tiny"  # aliases count under the canonical name
+    requests = "tokenrelay_requests_total"
+    assert (
+        _metric(after, requests, model=model, outcome="length")
+        == _metric(before.text, requests, model=model, outcome="length") + 1
+    )
+    tokens = "tokenrelay_generated_tokens_total"
+    assert _metric(after, tokens, model=model) == _metric(before.text, tokens, model=model) + 3
+    assert _metric(after, "tokenrelay_requests_in_flight", model=model) == 0
