@@ -13,6 +13,8 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[test]'
+	# Compile the engine's C++ decode kernel now (cached on disk), not in the first request's path.
+	$(BIN)/python -c "from workers.engine.attention import decode_kernel; decode_kernel()"
 	touch $@
 
 install: $(BIN)/.installed

@@ -44,6 +44,7 @@ class SamplingParams(BaseModel):
     # request retried on another worker draws the same tokens.
     seed: int = Field(ge=0, le=2**64 - 1)
     max_new_tokens: int = Field(default=20, ge=1)
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
 
 
 class GenerationRequest(_Message):

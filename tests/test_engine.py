@@ -1,8 +1,13 @@
-"""The engine on the bundled model: exact tokens, events, limits, cancellation."""
+"""The engine on the bundled model: exact tokens under continuous batching, events, limits, cancellation.
+
+The equality tests run in float64, so that no rounding difference between a
+batched step and transformers' own one-request `generate` can flip a token.
+"""
 
 from __future__ import annotations
 
 import queue
+import random
 import time
 import uuid
 
@@ -10,7 +15,7 @@ import pytest
 import torch
 
 from schemas.messages import FinishReason, GenerationRequest, SamplingParams, TokenEvent
-from workers.engine.engine import Engine, EngineLimits
+from workers.engine.engine import Engine, EngineConfig
 from workers.engine.model_runner import BUNDLED_MODEL, load_model
 
 # With the bundled model, greedy decoding ends these two with EOS within a few
@@ -22,22 +27,35 @@ PROMPTS = [
     "def main():\n",
 ]
 LONG = PROMPTS[1]
+BLOCK_BYTES_F64 = 2 * 4 * 32 * 4 * 32 * 8  # layers, block size, KV heads, head dim, float64
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(str(BUNDLED_MODEL), "cpu")
+    return load_model(str(BUNDLED_MODEL), "cpu", "float64")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A separate copy for transformers' generate: the engine puts its own attention into its model."""
+    return load_model(str(BUNDLED_MODEL), "cpu", "float64")
 
 
 class Harness:
     """An engine whose events land in a queue the test reads."""
 
-    def __init__(self, loaded, limits: EngineLimits) -> None:
+    def __init__(self, loaded, config: EngineConfig) -> None:
         self.events: queue.Queue[TokenEvent] = queue.Queue()
-        self.engine = Engine(loaded, limits, lambda events: [self.events.put(e) for e in events])
+        self.seen: list[TokenEvent] = []  # read by wait_for_tokens, not yet by collect
+        self.engine = Engine(loaded, config, lambda events: [self.events.put(e) for e in events])
         self.engine.start()
 
-    def submit(self, prompt: str | list[int], max_new_tokens: int = 16, timeout_s: float = 60, **sampling) -> str:
+    def _next(self, deadline: float) -> TokenEvent:
+        if self.seen:
+            return self.seen.pop(0)
+        return self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+
+    def submit(self, prompt, max_new_tokens: int = 16, timeout_s: float = 120, priority: int = 5, **sampling) -> str:
         request_id = uuid.uuid4().hex
         now = time.time()
         self.engine.submit(
@@ -47,6 +65,7 @@ class Harness:
                 prompt_text=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=prompt if isinstance(prompt, list) else None,
                 sampling=SamplingParams(seed=sampling.pop("seed", 1), max_new_tokens=max_new_tokens, **sampling),
+                priority=priority,
                 arrival=now,
                 deadline=now + timeout_s,
                 reply_to="replies",
@@ -55,18 +74,26 @@ class Harness:
         )
         return request_id
 
-    def collect(self, request_ids: list[str], timeout_s: float = 120) -> dict[str, list[TokenEvent]]:
+    def collect(self, request_ids: list[str], timeout_s: float = 300) -> dict[str, list[TokenEvent]]:
         """Every event of these requests, until each has ended."""
         by_request: dict[str, list[TokenEvent]] = {r: [] for r in request_ids}
         open_requests = set(request_ids)
         deadline = time.monotonic() + timeout_s
         while open_requests:
-            event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            event = self._next(deadline)
             if event.request_id in by_request:
                 by_request[event.request_id].append(event)
                 if event.finish_reason is not None:
                     open_requests.discard(event.request_id)
         return by_request
+
+    def wait_for_tokens(self, request_id: str, count: int) -> None:
+        """Until `count` events of the request have come; every event stays there for collect."""
+        found = 0
+        while found < count:
+            event = self.events.get(timeout=60)
+            self.seen.append(event)
+            found += event.request_id == request_id
 
     def close(self) -> None:
         self.engine.stop()
@@ -74,11 +101,11 @@ class Harness:
 
 @pytest.fixture
 def harness_with(loaded):
-    """Harnesses with engine limits of the test's choosing, closed at the end."""
+    """Harnesses with engine settings of the test's choosing, closed at the end."""
     harnesses: list[Harness] = []
 
-    def make(limits: EngineLimits | None = None) -> Harness:
-        harnesses.append(Harness(loaded, limits or EngineLimits()))
+    def make(**config) -> Harness:
+        harnesses.append(Harness(loaded, EngineConfig(**{"kv_cache_bytes": 256 << 20, **config})))
         return harnesses[-1]
 
     yield make
@@ -95,23 +122,33 @@ def _tokens(events: list[TokenEvent]) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
-def _reference(loaded, prompt: str, max_new_tokens: int) -> list[int]:
-    ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
+def _reference(reference, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = loaded.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
-    eos = next((i for i, t in enumerate(out) if t in loaded.eos_token_ids), None)
+        out = reference.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
+    eos = next((i for i, t in enumerate(out) if t in reference.eos_token_ids), None)
     return out if eos is None else out[: eos + 1]
 
 
-def test_greedy_tokens_equal_transformers_generate_with_staggered_arrivals(loaded, harness):
-    lengths = [12, 5, 20, 9]
-    early = [harness.submit(p, n) for p, n in zip(PROMPTS[:2], lengths[:2], strict=True)]
-    while harness.events.empty():  # the first two are running before the others arrive
-        time.sleep(0.005)
-    late = [harness.submit(p, n) for p, n in zip(PROMPTS[2:], lengths[2:], strict=True)]
-    results = harness.collect(early + late)
-    for request_id, prompt, n in zip(early + late, PROMPTS, lengths, strict=True):
-        assert _tokens(results[request_id]) == _reference(loaded, prompt, n), prompt
+def test_64_greedy_requests_equal_transformers_generate_token_for_token(loaded, reference, harness_with):
+    rng = random.Random(7)
+    shared = [rng.randrange(4, 32000) for _ in range(70)]  # a prefix some prompts share
+    workload = []
+    for i in range(64):
+        body = [rng.randrange(4, 32000) for _ in range(rng.randint(2, 120))]
+        workload.append((shared + body if i % 4 == 0 else body, rng.randint(3, 40), rng.choice([1, 3, 5])))
+    # A cache too small for everyone at once and small prompt chunks: requests are chunked,
+    # preempted and recomputed, and prefixes are reused along the way.
+    h = harness_with(max_batch_size=24, max_tokens_per_step=64, max_seq_len=512, kv_cache_bytes=40 * BLOCK_BYTES_F64)
+    ids = []
+    for wave in range(4):  # staggered arrivals: each wave joins a running batch
+        ids += [h.submit(p, n, priority=prio) for p, n, prio in workload[wave * 16 : (wave + 1) * 16]]
+        h.wait_for_tokens(ids[-1], 1) if wave < 3 else None
+    results = h.collect(ids)
+    for request_id, (prompt, max_new, _) in zip(ids, workload, strict=True):
+        assert _tokens(results[request_id]) == _reference(reference, prompt, max_new), request_id
+    stats = h.engine.stats()
+    assert stats["preemptions"] > 0 and stats["reused_tokens"] > 0, stats
 
 
 def test_events_describe_every_token(loaded, harness):
@@ -137,26 +174,47 @@ def test_eos_ends_a_request_and_counts_as_generated(loaded, harness):
     assert len(events) < 50
 
 
+def test_ignore_eos_generates_every_token_asked_for(harness):
+    request_id = harness.submit(PROMPTS[0], 30, ignore_eos=True)
+    events = harness.collect([request_id])[request_id]
+    assert len(_tokens(events)) == 30 and events[-1].finish_reason == FinishReason.LENGTH
+
+
 def test_batch_size_counts_the_sequences_of_the_step(harness):
     ids = [harness.submit(LONG, 30) for _ in range(4)]
     results = harness.collect(ids)
     assert max(e.batch_size for events in results.values() for e in events) == 4
 
 
-def test_seeded_sampling_is_the_same_alone_and_in_a_batch(harness):
+def test_a_seeded_request_draws_the_same_tokens_alone_in_a_batch_after_preemption_and_elsewhere(loaded, harness_with):
     sampling = dict(do_sample=True, temperature=1.3, top_k=50, seed=4242)
-    alone = harness.submit(PROMPTS[1], 20, **sampling)
-    alone_tokens = _tokens(harness.collect([alone])[alone])
-    crowd = [harness.submit(p, 25, seed=i + 1, do_sample=True) for i, p in enumerate(PROMPTS)]
-    again = harness.submit(PROMPTS[1], 20, **sampling)
-    results = harness.collect(crowd + [again])
-    assert _tokens(results[again]) == alone_tokens
+    prompt = list(range(100, 196))  # 96 tokens: three blocks
+    alone = harness_with()
+    reference_tokens = _tokens(alone.collect([rid := alone.submit(prompt, 40, **sampling)])[rid])
+
+    crowd = [alone.submit(p, 25, seed=i + 1, do_sample=True) for i, p in enumerate(PROMPTS * 8)]
+    in_batch = alone.submit(prompt, 40, **sampling)
+    assert _tokens(alone.collect(crowd + [in_batch])[in_batch]) == reference_tokens
+
+    # Eight blocks: the request fits alone, but not beside two urgent ones, which preempt it.
+    tight = harness_with(max_seq_len=256, kv_cache_bytes=8 * BLOCK_BYTES_F64)
+    preempted = tight.submit(prompt, 40, priority=5, **sampling)
+    tight.wait_for_tokens(preempted, 5)
+    urgent = [tight.submit(list(range(300 + i, 400 + i)), 8, priority=1) for i in range(2)]
+    results = tight.collect([preempted, *urgent])
+    assert tight.engine.stats()["preemptions"] >= 1
+    assert _tokens(results[preempted]) == reference_tokens
+
+    elsewhere = Harness(load_model(str(BUNDLED_MODEL), "cpu", "float64"), EngineConfig(kv_cache_bytes=64 << 20))
+    try:
+        assert _tokens(elsewhere.collect([rid := elsewhere.submit(prompt, 40, **sampling)])[rid]) == reference_tokens
+    finally:
+        elsewhere.close()
 
 
 def test_cancel_ends_the_request_within_a_step(harness):
     request_id = harness.submit(LONG, 500)
-    while harness.events.empty():
-        time.sleep(0.005)
+    harness.wait_for_tokens(request_id, 1)
     harness.engine.cancel(request_id)
     events = harness.collect([request_id])[request_id]
     assert events[-1].finish_reason == FinishReason.STOP_SEQUENCE
@@ -165,21 +223,21 @@ def test_cancel_ends_the_request_within_a_step(harness):
 
 
 def test_max_iter_times_caps_max_new_tokens(harness_with):
-    h = harness_with(EngineLimits(max_iter_times=3))
+    h = harness_with(max_iter_times=3)
     request_id = h.submit(LONG, 100)
     events = h.collect([request_id])[request_id]
     assert len(_tokens(events)) == 3 and events[-1].finish_reason == FinishReason.LENGTH
 
 
 def test_max_seq_len_ends_generation(harness_with):
-    h = harness_with(EngineLimits(max_seq_len=12))
+    h = harness_with(max_seq_len=12)
     request_id = h.submit(list(range(100, 110)), 100)  # 10 prompt tokens: 2 more reach 12
     events = h.collect([request_id])[request_id]
     assert len(_tokens(events)) == 2 and events[-1].finish_reason == FinishReason.LENGTH
 
 
 def test_prompt_longer_than_allowed_is_refused_with_424(harness_with):
-    h = harness_with(EngineLimits(max_input_len=8))
+    h = harness_with(max_input_len=8)
     request_id = h.submit(list(range(100, 109)), 4)
     [event] = h.collect([request_id])[request_id]
     assert event.error.status == 424 and event.error.error_type == "Generation Error"
@@ -198,3 +256,8 @@ def test_a_request_past_its_deadline_ends_with_a_timeout(harness):
     events = harness.collect([request_id])[request_id]
     assert events[-1].finish_reason == FinishReason.STOP_SEQUENCE
     assert events[-1].error.status == 504 and events[-1].error.error_type == "Timeout"
+
+
+def test_a_cache_smaller_than_max_seq_len_is_refused(loaded):
+    with pytest.raises(ValueError, match="fewer than max_seq_len 2560"):
+        Engine(loaded, EngineConfig(kv_cache_bytes=10 * BLOCK_BYTES_F64), lambda events: None)

@@ -1,9 +1,9 @@
-"""Next-token choice: greedy, and seeded sampling that depends on (seed, index) alone."""
+"""Next-token choice for a batch: greedy, and seeded sampling that depends on (seed, index) alone."""
 
 import torch
 
 from schemas.messages import SamplingParams
-from workers.engine.sampler import logits_processors, next_token, noise_seed
+from workers.engine.sampler import Draw, noise_seed, sample_logits
 
 
 def _logits(seed: int = 0, vocab: int = 1000) -> torch.Tensor:
@@ -11,7 +11,7 @@ def _logits(seed: int = 0, vocab: int = 1000) -> torch.Tensor:
 
 
 def _draw(params: SamplingParams, logits: torch.Tensor, history=(1, 2, 3), index=0) -> int:
-    return next_token(logits, list(history), params, logits_processors(params), index)
+    return sample_logits(logits.unsqueeze(0), [Draw(params, history, index)])[0]
 
 
 def test_greedy_is_argmax():
@@ -36,11 +36,28 @@ def test_same_seed_and_index_draw_the_same_token_whatever_came_before():
     assert len(set(first)) > 10  # and it does sample
 
 
+def test_a_row_draws_the_same_token_whatever_else_is_in_the_batch():
+    params = [SamplingParams(seed=s, do_sample=True, top_k=40, top_p=0.9, temperature=0.7) for s in range(1, 9)]
+    logits = torch.stack([_logits(s) for s in range(8)])
+    together = sample_logits(logits, [Draw(p, (), 5) for p in params])
+    alone = [sample_logits(logits[i : i + 1], [Draw(params[i], (), 5)])[0] for i in range(8)]
+    mixed = sample_logits(logits[[3, 0]], [Draw(SamplingParams(seed=99), (), 5), Draw(params[0], (), 5)])
+    assert together == alone and mixed[1] == alone[0]
+
+
 def test_different_seeds_draw_differently():
     logits = _logits()
     a = [_draw(SamplingParams(seed=1, do_sample=True), logits, index=i) for i in range(30)]
     b = [_draw(SamplingParams(seed=2, do_sample=True), logits, index=i) for i in range(30)]
     assert a != b
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    params = SamplingParams(seed=11, do_sample=True)
+    draws = [_draw(params, logits, index=i) for i in range(3000)]
+    shares = [draws.count(t) / len(draws) for t in range(3)]
+    assert abs(shares[0] - 0.7) < 0.03 and abs(shares[1] - 0.2) < 0.03 and abs(shares[2] - 0.1) < 0.03
 
 
 def test_top_k_one_samples_the_argmax():
@@ -56,9 +73,10 @@ def test_top_p_keeps_only_the_nucleus():
     assert {_draw(params, logits, index=i) for i in range(40)} == {10, 20}
 
 
-def test_largest_seed_is_usable():
-    assert 0 <= noise_seed(2**64 - 1, 10**6) < 2**64
-    _draw(SamplingParams(seed=2**64 - 1, do_sample=True), _logits(), index=3)
+def test_typical_p_drops_unusual_tokens():
+    logits = torch.log(torch.tensor([0.45, 0.45, 0.05, 0.05]))
+    params = SamplingParams(seed=2, do_sample=True, typical_p=0.5)
+    assert {_draw(params, logits, index=i) for i in range(60)} <= {0, 1}
 
 
 def test_extreme_parameters_still_draw_a_token():
@@ -74,11 +92,11 @@ def test_extreme_parameters_still_draw_a_token():
             top_k=1,
         ),
         SamplingParams(seed=1, do_sample=True, repetition_penalty=1e308),
+        SamplingParams(seed=1, do_sample=True, temperature=1.0000000000000002e-06),
         SamplingParams(seed=1, repetition_penalty=5e-324),
     ]
     for params in extremes:
-        token = _draw(params, logits, history=(1, 2, 3))
-        assert 0 <= token < 1000
+        assert 0 <= _draw(params, logits, history=(1, 2, 3)) < 1000
 
 
 def test_an_overflowed_penalty_keeps_its_meaning():
@@ -87,3 +105,8 @@ def test_an_overflowed_penalty_keeps_its_meaning():
     # Seen token 4 with a vanishing penalty: its score goes to +inf, so it must be drawn.
     params = SamplingParams(seed=3, do_sample=True, repetition_penalty=5e-324)
     assert {_draw(params, logits, history=(4,), index=i) for i in range(10)} == {4}
+
+
+def test_largest_seed_is_usable():
+    assert 0 <= noise_seed(2**64 - 1, 10**6) < 2**64
+    _draw(SamplingParams(seed=2**64 - 1, do_sample=True), _logits(), index=3)

@@ -31,8 +31,9 @@ from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
 from tokenrelay import logs
-from workers.engine.engine import EngineLimits
-from workers.engine.model_runner import BUNDLED_MODEL, load_model
+from workers.engine import bench as bench_engine
+from workers.engine.engine import EngineConfig
+from workers.engine.model_runner import BUNDLED_MODEL, DTYPES, load_model
 from workers.worker import Worker, WorkerSettings
 
 BUNDLED_MODEL_NAME = "tokenrelay-tiny"
@@ -113,10 +114,33 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
         f"default: {BUNDLED_MODEL_NAME} for the bundled model, else --model",
     )
     _option(parser, "--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
-    _option(parser, "--max-batch-size", type=int, default=32, help="sequences that run at once (maxBatchSize)")
+    _option(parser, "--dtype", default="", choices=["", *DTYPES], help="model dtype; empty: bf16 on CUDA, fp32 on CPU")
+    _option(parser, "--max-batch-size", type=int, default=64, help="sequences that run at once (maxBatchSize)")
     _option(parser, "--max-seq-len", type=int, default=2560, help="prompt + generated tokens (maxSeqLen)")
     _option(parser, "--max-input-len", type=int, default=2048, help="prompt tokens (maxInputTokenLen)")
     _option(parser, "--max-iter-times", type=int, default=512, help="generated tokens per request (maxIterTimes)")
+    _option(
+        parser,
+        "--max-tokens-per-step",
+        type=int,
+        default=512,
+        help="tokens one engine step computes: a token per decoding sequence, the rest on prompt chunks",
+    )
+    _option(parser, "--block-size", type=int, default=32, help="tokens per KV cache block")
+    _option(
+        parser,
+        "--kv-cache-memory",
+        type=float,
+        default=0.0,
+        help="GiB for the KV cache; 0: 1 GiB on the CPU, 80%% of the free memory on a GPU",
+    )
+    _option(
+        parser,
+        "--priority-aging",
+        type=float,
+        default=10.0,
+        help="seconds of waiting that make a request one priority level more urgent",
+    )
     _option(parser, "--worker-id", default="", help="this worker's id in heartbeats and logs; empty: host-pid")
     _option(
         parser,
@@ -156,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="gateway and worker in one process, in-process bus")
     gateway = commands.add_parser("gateway", help="an HTTP/WebSocket gateway on Kafka")
     worker = commands.add_parser("worker", help="a model worker on Kafka")
+    bench = commands.add_parser("bench", help="benchmarks: `tokenrelay bench engine --help`", add_help=False)
+    bench.add_argument("benchmark", choices=["engine"])
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     for sub in (serve, gateway, worker):
         _common_options(sub)
     for sub in (serve, gateway):
@@ -180,11 +207,15 @@ def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
 
 def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
     names = args.served_model_name or [BUNDLED_MODEL_NAME if args.model == str(BUNDLED_MODEL) else args.model]
-    limits = EngineLimits(
+    config = EngineConfig(
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         max_input_len=args.max_input_len,
         max_iter_times=args.max_iter_times,
+        max_tokens_per_step=args.max_tokens_per_step,
+        block_size=args.block_size,
+        kv_cache_bytes=int(args.kv_cache_memory * 2**30) or None,
+        aging_s=args.priority_aging,
     )
     settings = WorkerSettings(
         worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
@@ -192,7 +223,7 @@ def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
         partitions=args.partitions,
         heartbeat_interval_s=args.heartbeat_interval,
     )
-    return Worker(bus, load_model(args.model, args.device), limits, names, settings)
+    return Worker(bus, load_model(args.model, args.device, args.dtype or None), config, names, settings)
 
 
 def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
@@ -260,6 +291,10 @@ async def _run(bus: Bus, server: uvicorn.Server | None, worker: Worker | None) -
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        logs.configure("warning", process="bench")
+        bench_engine.main(args.options)
+        return
     logs.configure(args.log_level, process=args.command)
     if args.command == "serve":
         bus: Bus = InProcessBus()

@@ -27,7 +27,7 @@ from schemas.messages import (
     TokenEvents,
     WorkerHeartbeat,
 )
-from workers.engine.engine import Engine, EngineLimits
+from workers.engine.engine import Engine, EngineConfig
 from workers.engine.model_runner import LoadedModel
 
 log = structlog.get_logger(__name__)
@@ -46,20 +46,20 @@ class Worker:
         self,
         bus: Bus,
         loaded: LoadedModel,
-        limits: EngineLimits,
+        config: EngineConfig,
         served_names: list[str],
         settings: WorkerSettings,
     ) -> None:
         self._bus = bus
         self._settings = settings
-        self._limits = limits
-        self._engine = Engine(loaded, limits, self._on_engine_step)
+        self._config = config
+        self._engine = Engine(loaded, config, self._on_engine_step)
         self.model = ServedModel(
             name=served_names[0],
             aliases=served_names,
-            max_seq_len=limits.max_seq_len,
+            max_seq_len=config.max_seq_len,
             max_input_len=self._engine.max_input_len,
-            max_iter_times=limits.max_iter_times,
+            max_iter_times=config.max_iter_times,
             vocab_size=loaded.vocab_size,
         )
         self._topics = request_topics(settings.topic_prefix, self.model.name)
@@ -122,7 +122,7 @@ class Worker:
         while True:
             if not self._engine.alive():
                 raise RuntimeError("the engine thread died")
-            free = self._limits.max_batch_size - len(self._active)
+            free = self._config.max_batch_size - len(self._active)
             # A full engine still polls, briefly, to stay in the Kafka group.
             for delivery in await queue.take(free, timeout_s=0.1 if free else 0.02):
                 await self._admit(queue, delivery)
@@ -191,7 +191,7 @@ class Worker:
             worker_id=self._settings.worker_id,
             model=self.model,
             running=len(self._active),
-            capacity=self._limits.max_batch_size,
+            capacity=self._config.max_batch_size,
             interval_s=self._settings.heartbeat_interval_s,
             leaving=leaving,
         )

@@ -1,9 +1,12 @@
-"""The engine: a thread that admits requests, steps the model and reports tokens.
+"""The engine: a thread that admits requests, steps the model over a continuous batch, and reports tokens.
 
 The model never runs on the worker's event loop, so that Kafka heartbeats and
 control messages keep flowing while it computes. The worker hands requests and
-cancellations in through a thread-safe inbox; after each step the engine hands
-the step's events out through `on_step`, which must not block.
+cancellations in through a thread-safe inbox; between steps the engine admits
+them, and after each step hands out the step's events through `on_step`,
+which must not block. Each step: the scheduler picks chunks, the model runner
+computes them in one forward pass, the sampler draws a token for every
+sequence whose chunk reached its end, and finished sequences free their blocks.
 """
 
 from __future__ import annotations
@@ -17,20 +20,26 @@ from dataclasses import dataclass
 import structlog
 
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent
+from workers.engine.block_manager import BlockManager
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.model_runner import LoadedModel, ModelRunner
-from workers.engine.sampler import logits_processors, next_token
+from workers.engine.sampler import Draw, sample
+from workers.engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class EngineLimits:
-    max_batch_size: int = 32  # sequences that run at once (MindIE's maxBatchSize)
+class EngineConfig:
+    max_batch_size: int = 64  # sequences that run at once (MindIE's maxBatchSize)
     max_seq_len: int = 2560  # prompt + generated tokens (maxSeqLen)
     max_input_len: int = 2048  # prompt tokens (maxInputTokenLen)
     max_iter_times: int = 512  # generated tokens per request (maxIterTimes)
+    max_tokens_per_step: int = 1024  # decode tokens plus prompt chunks, per step
+    block_size: int = 32  # tokens per KV cache block (gathers of smaller blocks are much slower on CPUs)
+    kv_cache_bytes: int | None = None  # None: 1 GiB on the CPU, 80% of free memory on a GPU
+    aging_s: float = 10.0  # waiting this long makes a request one priority level more urgent
 
 
 @dataclass(frozen=True)
@@ -44,28 +53,40 @@ class _Cancel:
     request_id: str
 
 
+_STOP = object()  # put in the inbox to end the engine thread
 _GENERATION_ERROR = "Generation Error"
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, limits: EngineLimits, on_step: Callable[[list[TokenEvent]], None]):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, on_step: Callable[[list[TokenEvent]], None]):
         self._loaded = loaded
-        self._limits = limits
+        self._config = config
         self._on_step = on_step
-        self._runner = ModelRunner(loaded)
+        self._runner = ModelRunner(loaded, config.block_size, config.kv_cache_bytes)
+        capacity = self._runner.num_blocks * config.block_size
+        if capacity < config.max_seq_len:
+            raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_seq_len {config.max_seq_len}")
+        self._blocks = BlockManager(self._runner.num_blocks, config.block_size)
+        self._scheduler = Scheduler(
+            SchedulerConfig(config.max_batch_size, config.max_tokens_per_step, config.aging_s), self._blocks
+        )
+        self._sequences: dict[str, Sequence] = {}
         self._inbox: queue.SimpleQueue[_Submit | _Cancel | object] = queue.SimpleQueue()
-        self._running: dict[str, Sequence] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     @property
     def max_input_len(self) -> int:
         """Prompt tokens a request may have, as the contract computes it."""
         return min(
-            self._limits.max_input_len,
-            self._limits.max_seq_len - 1,
+            self._config.max_input_len,
+            self._config.max_seq_len - 1,
             self._loaded.max_position_embeddings,
             1024 * 1024,
         )
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: preemptions, and prompt tokens served from the prefix cache."""
+        return {"preemptions": self._scheduler.preemptions, "reused_tokens": self._blocks.reused_tokens}
 
     def start(self) -> None:
         self._thread.start()
@@ -98,7 +119,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             # Block only when there is nothing to compute.
-            commands = [] if self._running else [self._inbox.get()]
+            commands = [] if self._sequences else [self._inbox.get()]
             while not self._inbox.empty():
                 commands.append(self._inbox.get_nowait())
             events: list[TokenEvent] = []
@@ -106,19 +127,21 @@ class Engine:
                 if command is _STOP:
                     return
                 events.extend(self._apply(command))
+            events.extend(self._expire())
             events.extend(self._step())
             if events:
                 self._on_step(events)
 
     def _apply(self, command: _Submit | _Cancel) -> list[TokenEvent]:
         if isinstance(command, _Cancel):
-            sequence = self._running.pop(command.request_id, None)
-            return [sequence.stop(FinishReason.STOP_SEQUENCE)] if sequence else []
+            sequence = self._sequences.get(command.request_id)
+            return [self._end(sequence, FinishReason.STOP_SEQUENCE)] if sequence else []
         try:
             sequence = self._admit(command.request, command.received_at)
         except _Rejected as rejected:
             return [rejected.event]
-        self._running[sequence.request_id] = sequence
+        self._sequences[sequence.request_id] = sequence
+        self._scheduler.add(sequence)
         return []
 
     def _admit(self, request: GenerationRequest, received_at: float) -> Sequence:
@@ -127,9 +150,8 @@ class Engine:
             prompt_ids = request.prompt_token_ids
             invalid = [t for t in prompt_ids if not 0 <= t < self._loaded.vocab_size]
             if invalid:
-                raise _Rejected(
-                    request, f"token id {invalid[0]} is outside the vocabulary [0, {self._loaded.vocab_size})"
-                )
+                vocab = self._loaded.vocab_size
+                raise _Rejected(request, f"token id {invalid[0]} is outside the vocabulary [0, {vocab})")
         else:
             prompt_ids = tokenizer(request.prompt_text)["input_ids"]
         if not prompt_ids:
@@ -139,59 +161,70 @@ class Engine:
                 request,
                 f"the prompt has {len(prompt_ids)} tokens after tokenization; at most {self.max_input_len} are allowed",
             )
-        budget = min(request.sampling.max_new_tokens, self._limits.max_iter_times) - request.tokens_before
+        budget = min(request.sampling.max_new_tokens, self._config.max_iter_times) - request.tokens_before
         if budget < 1:
             raise _Rejected(request, f"no token is left to generate after the {request.tokens_before} generated before")
         return Sequence(
             request=request,
             prompt_ids=prompt_ids,
             max_new_tokens=budget,
-            processors=logits_processors(request.sampling),
             detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
             received_at=received_at,
         )
 
-    def _step(self) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
-        batch_size = len(self._running)
-        now = time.time()
-        for sequence in list(self._running.values()):
-            if now > sequence.request.deadline:
-                events.append(self._finish(sequence, FinishReason.STOP_SEQUENCE, _timeout_error(sequence)))
-                continue
-            started_at = time.monotonic()
-            try:
-                logits = self._runner.next_logits(sequence)
-                token = next_token(
-                    logits, sequence.token_ids, sequence.request.sampling, sequence.processors, sequence.next_index
-                )
-            except Exception as error:  # a broken model must fail its request, not the worker
-                log.exception("step_failed", request_id=sequence.request_id)
-                failure = ErrorInfo(
-                    message=f"generation failed: {error}", error_type="Incomplete Generation", status=500
-                )
-                events.append(self._finish(sequence, FinishReason.INVALID_FLAG, failure))
-                continue
-            finish = self._finish_reason(sequence, token)
-            events.append(sequence.append(token, started_at, batch_size, finish))
-            if finish is not None:
-                del self._running[sequence.request_id]
-        return events
-
-    def _finish(self, sequence: Sequence, reason: FinishReason, error: ErrorInfo | None) -> TokenEvent:
-        del self._running[sequence.request_id]
+    def _end(self, sequence: Sequence, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
+        self._scheduler.remove(sequence)
+        del self._sequences[sequence.request_id]
         return sequence.stop(reason, error)
 
+    def _expire(self) -> list[TokenEvent]:
+        now = time.time()
+        return [
+            self._end(s, FinishReason.STOP_SEQUENCE, _timeout_error(s))
+            for s in list(self._sequences.values())
+            if now > s.request.deadline
+        ]
+
+    def _step(self) -> list[TokenEvent]:
+        chunks = self._scheduler.schedule()
+        if not chunks:
+            return []
+        started_at = time.monotonic()
+        drawing = [c for c in chunks if c.samples]
+        try:
+            hidden = self._runner.run(chunks)
+            tokens = sample(self._runner.head, hidden, [_draw(c) for c in drawing])
+        except Exception as error:  # a broken step must fail its requests, not the worker
+            log.exception("step_failed", requests=[c.sequence.request_id for c in chunks])
+            failure = ErrorInfo(message=f"generation failed: {error}", error_type="Incomplete Generation", status=500)
+            return [self._end(c.sequence, FinishReason.INVALID_FLAG, failure) for c in chunks]
+        for chunk in chunks:
+            self._blocks.computed(chunk.sequence, chunk.sequence.num_cached_tokens + chunk.num_tokens)
+        events = []
+        for chunk, token in zip(drawing, tokens, strict=True):
+            sequence = chunk.sequence
+            finish = self._finish_reason(sequence, token)
+            events.append(sequence.append(token, started_at, len(chunks), finish))
+            if finish is not None:
+                self._scheduler.remove(sequence)
+                del self._sequences[sequence.request_id]
+        return events
+
     def _finish_reason(self, sequence: Sequence, token: int) -> FinishReason | None:
-        if token in self._loaded.eos_token_ids:
+        if token in self._loaded.eos_token_ids and not sequence.request.sampling.ignore_eos:
             return FinishReason.EOS_TOKEN
         generated = len(sequence.generated) + 1
-        if generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self._limits.max_seq_len:
+        if generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self._config.max_seq_len:
             return FinishReason.LENGTH
         return None
 
 
-_STOP = object()  # put in the inbox to end the engine thread
+def _draw(chunk: Chunk) -> Draw:
+    sequence = chunk.sequence
+    params = sequence.request.sampling
+    # The token history is only read for a repetition penalty; do not copy it otherwise.
+    history = sequence.token_ids if params.repetition_penalty != 1.0 else ()
+    return Draw(params, history, sequence.next_index)
 
 
 class _Rejected(Exception):

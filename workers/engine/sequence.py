@@ -1,15 +1,19 @@
-"""One request inside the engine: its tokens, its cache, its clocks."""
+"""One request inside the engine: its tokens, its place in the KV cache, its clocks."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-from transformers import LogitsProcessorList
+from enum import Enum, auto
 
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent
 from workers.engine.detokenizer import IncrementalDetokenizer
+
+
+class Status(Enum):
+    WAITING = auto()  # not in the cache: new, or preempted and to be recomputed
+    RUNNING = auto()
+    FINISHED = auto()
 
 
 @dataclass
@@ -17,13 +21,16 @@ class Sequence:
     request: GenerationRequest
     prompt_ids: list[int]
     max_new_tokens: int  # left to generate: the request's, capped by the engine, less tokens_before
-    processors: LogitsProcessorList
     detokenizer: IncrementalDetokenizer
     received_at: float  # time.monotonic() when the worker took the request
-    admitted_at: float = field(default_factory=time.monotonic)
     generated: list[int] = field(default_factory=list)
-    kv_cache: Any = None  # the model runner's, for this sequence alone
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # leading tokens whose KV is in the cache
+    waiting_since: float = field(default_factory=time.monotonic)  # for priority aging
+    admitted_at: float | None = None  # first scheduled
     last_token_at: float | None = None
+    preemptions: int = 0
     finish_reason: FinishReason | None = None
 
     @property
@@ -31,8 +38,25 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.generated
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end], without building token_ids."""
+        prompt = len(self.prompt_ids)
+        if start >= prompt:
+            return self.generated[start - prompt : end - prompt]
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.generated[: end - prompt]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
 
     @property
     def next_index(self) -> int:
@@ -42,14 +66,16 @@ class Sequence:
     def append(self, token_id: int, started_at: float, batch_size: int, finish: FinishReason | None) -> TokenEvent:
         """Record a generated token and describe it as an event.
 
-        `started_at` is when the step that computed it began for this sequence:
-        the wait before it is what MindIE reports as queue_wait_time.
+        `started_at` is when the step that computed it began. MindIE's
+        queue_wait_time is, for the first token, the wait before the sequence
+        was first scheduled, and for later ones the wait between its previous
+        token and this step.
         """
         now = time.monotonic()
         first = not self.generated
         # A recomputed request's first new token is not the request's first token.
         first_of_request = first and self.request.tokens_before == 0
-        waited_since = self.admitted_at if first else self.last_token_at
+        waited = ((self.admitted_at or started_at) - self.received_at) if first else started_at - self.last_token_at
         since_previous = now - (self.received_at if first else self.last_token_at)
         self.generated.append(token_id)
         text = self.detokenizer.add(token_id)
@@ -65,7 +91,7 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids) if first else None,
             prefill_time_ms=since_previous * 1000 if first_of_request else None,
             decode_time_ms=None if first_of_request else since_previous * 1000,
-            queue_wait_us=int(max(0.0, started_at - waited_since) * 1e6),
+            queue_wait_us=int(max(0.0, waited) * 1e6),
             batch_size=batch_size,
             finish_reason=finish,
         )

@@ -1,0 +1,189 @@
+"""The KV block manager and the scheduler, on sequences alone (no model)."""
+
+from __future__ import annotations
+
+import time
+
+from schemas.messages import GenerationRequest, SamplingParams
+from workers.engine.block_manager import BlockManager
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.sequence import Sequence, Status
+
+
+class _NoText:
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+def _sequence(tokens: list[int], priority: int = 5, name: str = "") -> Sequence:
+    request = GenerationRequest(
+        request_id=name or str(id(tokens)),
+        model="m",
+        prompt_token_ids=tokens,
+        sampling=SamplingParams(seed=1),
+        priority=priority,
+        arrival=0.0,
+        deadline=1e12,
+        reply_to="r",
+    )
+    from workers.engine.detokenizer import IncrementalDetokenizer
+
+    return Sequence(request, tokens, 100, IncrementalDetokenizer(_NoText(), tokens), time.monotonic())
+
+
+def _compute(blocks: BlockManager, sequence: Sequence) -> None:
+    """What a step does to the cache: the sequence's tokens all get their KV."""
+    blocks.computed(sequence, sequence.num_tokens)
+
+
+def test_blocks_cover_the_tokens_without_padding():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    sequence = _sequence(list(range(9)))
+    assert blocks.can_allocate(sequence)
+    blocks.allocate(sequence)
+    assert len(sequence.block_table) == 3 and blocks.free_blocks == 7
+    blocks.free(sequence)
+    assert blocks.free_blocks == 10 and sequence.block_table == []
+
+
+def test_a_shared_prefix_is_computed_once_and_the_last_token_never_comes_from_the_cache():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    first = _sequence(list(range(12)), name="a")
+    blocks.allocate(first)
+    assert first.num_cached_tokens == 0
+    _compute(blocks, first)
+    second = _sequence(list(range(8)) + [99, 98, 97], name="b")  # shares two full blocks
+    blocks.allocate(second)
+    assert second.block_table[:2] == first.block_table[:2] and second.num_cached_tokens == 8
+    same = _sequence(list(range(12)), name="c")  # all three blocks match, but the last token must be computed
+    blocks.allocate(same)
+    assert same.num_cached_tokens == 8 and same.block_table[:2] == first.block_table[:2]
+    assert blocks.reused_tokens == 16
+
+
+def test_blocks_are_reused_only_once_their_kv_exists():
+    blocks = BlockManager(num_blocks=10, block_size=4)
+    first = _sequence(list(range(12)), name="a")
+    blocks.allocate(first)
+    early = _sequence(list(range(12)), name="b")
+    blocks.allocate(early)  # before first's prefill ran: nothing to reuse yet
+    assert early.num_cached_tokens == 0 and set(early.block_table).isdisjoint(first.block_table)
+
+
+def test_freed_blocks_keep_their_kv_until_handed_out_again():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    first = _sequence(list(range(9)), name="a")
+    blocks.allocate(first)
+    _compute(blocks, first)
+    blocks.free(first)
+    again = _sequence(list(range(9)), name="b")
+    blocks.allocate(again)
+    assert again.num_cached_tokens == 8  # its two full blocks were found again
+    blocks.free(again)
+    other = _sequence(list(range(100, 116)), name="c")
+    blocks.allocate(other)  # needs all four blocks: the cached ones are overwritten
+    late = _sequence(list(range(9)), name="d")
+    blocks.free(other)
+    blocks.allocate(late)
+    assert late.num_cached_tokens == 0
+
+
+def test_can_allocate_counts_free_blocks_that_a_cache_hit_would_take():
+    blocks = BlockManager(num_blocks=3, block_size=4)
+    first = _sequence(list(range(8)), name="a")
+    blocks.allocate(first)
+    _compute(blocks, first)
+    blocks.free(first)  # its two blocks are free but hold a cached prefix
+    assert blocks.can_allocate(_sequence(list(range(8)) + [1, 2, 3, 4], name="b"))  # 1 hit + 2 new = 3 blocks
+    assert not blocks.can_allocate(_sequence(list(range(50, 66)), name="c"))  # 4 new blocks
+
+
+def _scheduler(max_batch: int = 4, budget: int = 64, num_blocks: int = 100, aging_s: float = 10.0):
+    blocks = BlockManager(num_blocks=num_blocks, block_size=4)
+    return Scheduler(SchedulerConfig(max_batch, budget, aging_s), blocks), blocks
+
+
+def test_the_most_urgent_are_admitted_first():
+    scheduler, _ = _scheduler(max_batch=2)
+    low = [_sequence([1, 2], priority=5, name=f"low{i}") for i in range(2)]
+    high = _sequence([1, 2], priority=1, name="high")
+    for sequence in (*low, high):
+        scheduler.add(sequence)
+    names = {c.sequence.request_id for c in scheduler.schedule()}
+    assert names == {"high", "low0"}
+
+
+def test_waiting_long_enough_makes_a_request_more_urgent():
+    scheduler, _ = _scheduler(max_batch=1, aging_s=0.05)
+    old = _sequence([1, 2], priority=5, name="old")
+    scheduler.add(old)
+    old.waiting_since -= 0.25  # five aging intervals: now as urgent as a 0
+    scheduler.add(_sequence([1, 2], priority=1, name="new"))
+    assert [c.sequence.request_id for c in scheduler.schedule()] == ["old"]
+
+
+def test_decoding_comes_first_and_prompts_share_the_rest_of_the_budget():
+    scheduler, blocks = _scheduler(max_batch=4, budget=10)
+    decoding = _sequence(list(range(5)), name="decoding")
+    scheduler.add(decoding)
+    [chunk] = scheduler.schedule()
+    _compute(blocks, decoding)  # its prompt is done: it decodes from now on
+    decoding.generated.append(7)
+    long_prompt = _sequence(list(range(100, 130)), name="long")
+    scheduler.add(long_prompt)
+    chunks = {c.sequence.request_id: c for c in scheduler.schedule()}
+    assert chunks["decoding"].num_tokens == 1
+    assert chunks["long"].num_tokens == 9 and not chunks["long"].samples  # a chunk of the prompt
+    _compute_partially(blocks, long_prompt, 9)
+    chunks = {c.sequence.request_id: c for c in scheduler.schedule()}
+    assert chunks["long"].num_tokens == 9 and long_prompt.num_cached_tokens == 9
+
+
+def _compute_partially(blocks: BlockManager, sequence: Sequence, tokens: int) -> None:
+    blocks.computed(sequence, sequence.num_cached_tokens + tokens)
+
+
+def test_an_urgent_request_preempts_the_least_urgent_when_memory_is_short():
+    scheduler, blocks = _scheduler(max_batch=4, num_blocks=4)
+    background = _sequence(list(range(11)), priority=5, name="background")  # 3 of the 4 blocks
+    scheduler.add(background)
+    scheduler.schedule()
+    _compute(blocks, background)
+    background.generated.append(1)
+    urgent = _sequence(list(range(100, 108)), priority=1, name="urgent")  # needs 2 blocks
+    scheduler.add(urgent)
+    chunks = scheduler.schedule()
+    assert [c.sequence.request_id for c in chunks] == ["urgent"]
+    assert background.status is Status.WAITING and background.block_table == [] and scheduler.preemptions == 1
+    # It comes back by recomputing, and finds its own first blocks in the prefix cache.
+    scheduler.remove(urgent)
+    [resumed] = scheduler.schedule()
+    assert resumed.sequence is background and background.num_cached_tokens == 8
+
+
+def test_an_equally_urgent_request_waits_instead_of_preempting():
+    scheduler, blocks = _scheduler(max_batch=4, num_blocks=4)
+    first = _sequence(list(range(11)), priority=3, name="first")
+    scheduler.add(first)
+    scheduler.schedule()
+    _compute(blocks, first)
+    first.generated.append(1)
+    second = _sequence(list(range(100, 108)), priority=3, name="second")
+    scheduler.add(second)
+    second.waiting_since -= 100  # long enough to be first in the queue, not to preempt
+    assert [c.sequence.request_id for c in scheduler.schedule()] == ["first"]
+    assert scheduler.preemptions == 0 and len(scheduler.waiting) == 1
+
+
+def test_a_sequence_that_outgrows_memory_preempts_the_least_urgent():
+    scheduler, blocks = _scheduler(max_batch=4, num_blocks=4)
+    keep = _sequence(list(range(8)), priority=1, name="keep")
+    drop = _sequence(list(range(100, 108)), priority=5, name="drop")
+    for sequence in (keep, drop):
+        scheduler.add(sequence)
+    scheduler.schedule()
+    for sequence in (keep, drop):
+        _compute(blocks, sequence)
+        sequence.generated.append(1)  # each now needs a third block; only one pair fits
+    chunks = scheduler.schedule()
+    assert [c.sequence.request_id for c in chunks] == ["keep"] and drop.status is Status.WAITING

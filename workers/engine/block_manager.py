@@ -1,0 +1,124 @@
+"""The KV cache's bookkeeping: fixed-size blocks, owned by sequences, shared by equal prefixes.
+
+A sequence's KV lives in the blocks of its block table, `block_size` tokens
+each, so no memory is spent on padding. A full block is known by a hash of
+its tokens and of every token before it; once its KV has been computed it is
+registered under that hash, and a later sequence whose prompt starts with the
+same tokens takes the block instead of computing it again. A freed block
+keeps its hash, and its KV, until the allocator hands it out anew (oldest
+freed first), so a preempted sequence usually finds its own prefix again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from workers.engine.sequence import Sequence
+
+
+def _chain_hash(previous: int, tokens: list[int]) -> int:
+    return hash((previous, *tokens))
+
+
+class _Block:
+    __slots__ = ("hash", "ref_count", "tokens")
+
+    def __init__(self) -> None:
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.tokens: tuple[int, ...] = ()  # kept to rule out hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # least recently freed first
+        self._by_hash: dict[int, int] = {}
+        self.reused_tokens = 0  # prompt tokens whose KV came from the cache, since start
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _cached_prefix(self, sequence: Sequence) -> list[int]:
+        """Blocks holding the computed KV of the sequence's first tokens, from other sequences or its own past.
+
+        At least the last token is left out, so that a step still computes the
+        logits to sample from.
+        """
+        tokens = sequence.token_ids
+        found: list[int] = []
+        previous = 0
+        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+            chunk = tokens[start : start + self.block_size]
+            previous = _chain_hash(previous, chunk)
+            block_id = self._by_hash.get(previous)
+            if block_id is None or self._blocks[block_id].tokens != tuple(chunk):
+                break
+            found.append(block_id)
+        return found
+
+    def can_allocate(self, sequence: Sequence) -> bool:
+        cached = self._cached_prefix(sequence)
+        reusable_free = sum(1 for b in cached if self._blocks[b].ref_count == 0)
+        needed = self.blocks_for(sequence.num_tokens) - len(cached)
+        return needed <= self.free_blocks - reusable_free
+
+    def allocate(self, sequence: Sequence) -> None:
+        """Give a sequence blocks for all its tokens, reusing the cached prefix; call can_allocate first."""
+        assert not sequence.block_table
+        cached = self._cached_prefix(sequence)
+        for block_id in cached:
+            block = self._blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        sequence.block_table = list(cached)
+        sequence.num_cached_tokens = len(cached) * self.block_size
+        self.reused_tokens += sequence.num_cached_tokens
+        while len(sequence.block_table) < self.blocks_for(sequence.num_tokens):
+            sequence.block_table.append(self._take_free())
+
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.hash is not None and self._by_hash.get(block.hash) == block_id:
+            del self._by_hash[block.hash]  # its old KV is about to be overwritten
+        block.hash, block.tokens, block.ref_count = None, (), 1
+        return block_id
+
+    def free(self, sequence: Sequence) -> None:
+        for block_id in reversed(sequence.block_table):  # a prefix's head outlives its tail
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        sequence.block_table = []
+        sequence.num_cached_tokens = 0
+
+    def can_grow(self, sequence: Sequence, num_tokens: int) -> bool:
+        """Whether the sequence's table can cover `num_tokens` tokens."""
+        return self.blocks_for(num_tokens) - len(sequence.block_table) <= self.free_blocks
+
+    def grow(self, sequence: Sequence, num_tokens: int) -> None:
+        while len(sequence.block_table) < self.blocks_for(num_tokens):
+            sequence.block_table.append(self._take_free())
+
+    def computed(self, sequence: Sequence, num_cached_tokens: int) -> None:
+        """The KV of the sequence's first `num_cached_tokens` tokens now exists: register its full blocks."""
+        tokens = sequence.token_ids
+        first_new = sequence.num_cached_tokens // self.block_size
+        previous = self._blocks[sequence.block_table[first_new - 1]].hash if first_new else 0
+        for index in range(first_new, num_cached_tokens // self.block_size):
+            block_id = sequence.block_table[index]
+            block = self._blocks[block_id]
+            chunk = tokens[index * self.block_size : (index + 1) * self.block_size]
+            previous = _chain_hash(previous, chunk)
+            if block.hash is None:
+                block.hash, block.tokens = previous, tuple(chunk)
+                self._by_hash.setdefault(previous, block_id)
+        sequence.num_cached_tokens = num_cached_tokens

@@ -1,0 +1,125 @@
+"""What runs in the next step: which sequences, and how many of their tokens.
+
+Between steps the scheduler
+- admits waiting sequences, most urgent first: priority 1 before 5, where a
+  sequence gains one level for every `aging_s` it has waited, so priority 5
+  is never starved; admission stops at the first sequence that does not fit
+  (batch size, or KV blocks), so nothing overtakes a more urgent one;
+- makes room for an urgent sequence that does not fit by preempting the least
+  urgent running one (of a strictly lower priority; aging does not preempt):
+  its blocks are freed (their KV stays findable in the prefix cache) and it
+  waits to be recomputed, seeing only a pause;
+- spends a token budget per step: one token for each decoding sequence, the
+  rest on prompt chunks, so that a long prompt does not stall everyone's
+  decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 64
+    max_tokens_per_step: int = 512
+    aging_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`num_tokens` tokens of `sequence`, from its first uncached one, computed this step."""
+
+    sequence: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the sequence's last token, so that a new token is drawn."""
+        return self.sequence.num_cached_tokens + self.num_tokens == self.sequence.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self._config = config
+        self._blocks = blocks
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.preemptions = 0  # since start, for metrics and tests
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, sequence: Sequence) -> None:
+        sequence.status = Status.WAITING
+        sequence.waiting_since = time.monotonic()
+        self.waiting.append(sequence)
+
+    def remove(self, sequence: Sequence) -> None:
+        """Take a sequence out, finished or not, and free its blocks."""
+        if sequence.status is Status.RUNNING:
+            self.running.remove(sequence)
+            self._blocks.free(sequence)
+        elif sequence.status is Status.WAITING:
+            self.waiting.remove(sequence)
+        sequence.status = Status.FINISHED
+
+    def _urgency(self, sequence: Sequence, now: float) -> float:
+        """Lower is more urgent: the priority, less a level per aging interval waited."""
+        return sequence.priority - (now - sequence.waiting_since) / self._config.aging_s
+
+    def _least_urgent_running(self) -> Sequence:
+        return max(self.running, key=lambda s: (s.priority, s.received_at))
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self.running.remove(sequence)
+        self._blocks.free(sequence)
+        sequence.preemptions += 1
+        self.preemptions += 1
+        self.add(sequence)
+
+    def schedule(self) -> list[Chunk]:
+        now = time.monotonic()
+        self._admit(now)
+        budget = max(self._config.max_tokens_per_step, self._config.max_batch_size)
+        chunks: list[Chunk] = []
+        # Decoding sequences first (one token each), then prompt chunks; the most urgent first within each.
+        order = sorted(
+            self.running,
+            key=lambda s: (s.num_tokens - s.num_cached_tokens > 1, s.priority, s.received_at),
+        )
+        for sequence in order:
+            if sequence.status is not Status.RUNNING or budget == 0:
+                continue  # preempted below to make room for a more urgent one
+            while not self._blocks.can_grow(sequence, sequence.num_tokens):
+                victim = self._least_urgent_running()
+                self._preempt(victim)
+                if victim is sequence:
+                    break
+            if sequence.status is not Status.RUNNING:
+                continue
+            self._blocks.grow(sequence, sequence.num_tokens)
+            num_tokens = min(sequence.num_tokens - sequence.num_cached_tokens, budget)
+            chunks.append(Chunk(sequence, num_tokens))
+            budget -= num_tokens
+        return [c for c in chunks if c.sequence.status is Status.RUNNING]
+
+    def _admit(self, now: float) -> None:
+        self.waiting.sort(key=lambda s: (self._urgency(s, now), s.received_at))
+        while self.waiting and len(self.running) < self._config.max_batch_size:
+            candidate = self.waiting[0]
+            while not self._blocks.can_allocate(candidate):
+                # Aging orders the queue; only a strictly more urgent priority preempts.
+                if not self.running or self._least_urgent_running().priority <= candidate.priority:
+                    return  # nothing less urgent to make room with: wait, and let nothing overtake
+                self._preempt(self._least_urgent_running())
+            self.waiting.pop(0)
+            self._blocks.allocate(candidate)
+            candidate.status = Status.RUNNING
+            self.running.append(candidate)
+            if candidate.admitted_at is None:
+                candidate.admitted_at = now
