@@ -16,7 +16,7 @@ import torch
 
 from schemas.messages import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.model_runner import BUNDLED_MODEL, load_model
+from workers.engine.model_runner import BUNDLED_MODEL, load_model, random_model
 
 # With the bundled model, greedy decoding ends these two with EOS within a few
 # tokens, and runs on past 400 tokens for the other two.
@@ -261,3 +261,35 @@ def test_a_request_past_its_deadline_ends_with_a_timeout(harness):
 def test_a_cache_smaller_than_max_seq_len_is_refused(loaded):
     with pytest.raises(ValueError, match="fewer than max_seq_len 2560"):
         Engine(loaded, EngineConfig(kv_cache_bytes=10 * BLOCK_BYTES_F64), lambda events: None)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_llama_family_models_equal_transformers_generate(family, loaded):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
+    torch.manual_seed(0)
+    engine_model = random_model(config, loaded.tokenizer, "cpu", "float64")
+    torch.manual_seed(0)
+    reference = random_model(config, loaded.tokenizer, "cpu", "float64")
+    h = Harness(engine_model, EngineConfig(max_seq_len=1024, kv_cache_bytes=16 << 20))
+    try:
+        prompts = [list(range(10, 10 + n)) for n in (3, 40, 77)]
+        ids = [h.submit(p, 12) for p in prompts]
+        results = h.collect(ids)
+    finally:
+        h.close()
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert _tokens(results[request_id]) == _reference(reference, prompt, 12)

@@ -9,6 +9,7 @@ rows a token is drawn from, by the output head.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import pathlib
 from dataclasses import dataclass
@@ -65,8 +66,8 @@ def random_model(config: transformers.PretrainedConfig, tokenizer, device: str =
     """A randomly initialised model of `config`, for timing where no weights are at hand."""
     target = pick_device(device)
     chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
-    with torch.device(target):
-        model = AutoModelForCausalLM.from_config(config, dtype=chosen).eval()
+    with torch.device(target):  # a copy of the config: the engine sets its attention on the model's own
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=chosen).eval()
     return _loaded(model, tokenizer, target, f"random {config.model_type}")
 
 
