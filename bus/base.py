@@ -14,8 +14,9 @@ Implementations: `bus.kafka.KafkaBus` (the real thing) and
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,15 +49,24 @@ class Listener(ABC):
     async def close(self) -> None: ...
 
 
+# Whether the caller starts a request now (or drops it at once: expired, cancelled).
+Accept = Callable[[Delivery], bool]
+
+
 class RequestQueue(ABC):
     """The requests of a set of topics, shared by the members of a group."""
 
     @abstractmethod
-    async def take(self, limit: int, timeout_s: float) -> list[Delivery]:
-        """Up to `limit` requests, most urgent topic first, waiting at most `timeout_s`.
+    async def take(self, accept: Accept, timeout_s: float) -> list[Delivery]:
+        """The waiting requests that `accept` takes, offered most urgent first.
 
-        Call it often even with `limit` 0: that is how a Kafka member shows it
-        is alive while its engine is full.
+        Urgency is the priority aged by the time waited since arrival (see
+        `GenerationRequest.urgency`). A refused request stays waiting,
+        unacknowledged, and is offered again next time; nothing more is
+        fetched from its partition meanwhile, so a busy member does not hoard.
+        Waits at most `timeout_s` for something to offer. Call it often even
+        when nothing can be accepted: that is how a Kafka member shows it is
+        alive.
         """
 
     @abstractmethod
@@ -65,6 +75,17 @@ class RequestQueue(ABC):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+
+def offer(waiting: list[Delivery], accept: Accept, aging_s: float) -> list[Delivery]:
+    """Offer `waiting` to `accept`, most urgent first; return the taken ones (and remove them from `waiting`)."""
+    now = time.time()
+    waiting.sort(key=lambda d: d.request.urgency(now, aging_s))
+    taken = [d for d in waiting if accept(d)]
+    if taken:
+        taken_ids = {id(d) for d in taken}
+        waiting[:] = [d for d in waiting if id(d) not in taken_ids]
+    return taken
 
 
 class Bus(ABC):
@@ -93,5 +114,12 @@ class Bus(ABC):
         """
 
     @abstractmethod
-    async def open_request_queue(self, topics: Sequence[str], group: str) -> RequestQueue:
-        """Join `group` as a consumer of `topics` (given most urgent first)."""
+    async def backlog(self, topics: Sequence[str], group: str) -> dict[str, int]:
+        """Per topic: requests published that `group` has not acknowledged yet (waiting or running).
+
+        Kafka calls it the group's consumer lag. Raises BusUnavailable.
+        """
+
+    @abstractmethod
+    async def open_request_queue(self, topics: Sequence[str], group: str, aging_s: float = 10.0) -> RequestQueue:
+        """Join `group` as a consumer of `topics`; waiting `aging_s` makes a request one priority more urgent."""

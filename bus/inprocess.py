@@ -3,17 +3,17 @@
 It keeps the semantics the gateway and worker rely on: topics must be
 created before use, listeners see what is published after they open (plus a
 short replay), and each request of a queued topic goes to one taker. Nothing
-survives the process, so acknowledging a request has nothing to do.
+survives the process; acknowledging a request only counts it out of the backlog.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from bus.base import Bus, Delivery, Listener, RequestQueue, UnknownTopic
+from bus.base import Accept, Bus, Delivery, Listener, RequestQueue, UnknownTopic, offer
 from schemas.messages import BusMessage, GenerationRequest
 
 _REPLAY_WINDOW_S = 60.0
@@ -43,32 +43,30 @@ class _InProcessListener(Listener):
 
 
 class _InProcessRequestQueue(RequestQueue):
-    def __init__(self, topics: Sequence[str]) -> None:
-        self._waiting: dict[str, deque[GenerationRequest]] = {t: deque() for t in topics}
+    def __init__(self, aging_s: float) -> None:
+        self._aging_s = aging_s
+        self._waiting: list[Delivery] = []
         self._arrived = asyncio.Event()
+        self.unfinished: Counter[str] = Counter()  # per topic: taken or not, not finished yet
 
     def put(self, topic: str, request: GenerationRequest) -> None:
-        self._waiting[topic].append(request)
+        self._waiting.append(Delivery(request, topic))
+        self.unfinished[topic] += 1
         self._arrived.set()
 
-    async def take(self, limit: int, timeout_s: float) -> list[Delivery]:
-        if limit == 0:
-            await asyncio.sleep(timeout_s)
+    async def take(self, accept: Accept, timeout_s: float) -> list[Delivery]:
+        taken = offer(self._waiting, accept, self._aging_s)
+        if taken:
+            return taken
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), timeout_s)
+        except TimeoutError:
             return []
-        if not any(self._waiting.values()):
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), timeout_s)
-            except TimeoutError:
-                return []
-        taken: list[Delivery] = []
-        for waiting in self._waiting.values():  # most urgent topic first
-            while waiting and len(taken) < limit:
-                taken.append(Delivery(waiting.popleft(), None))
-        return taken
+        return offer(self._waiting, accept, self._aging_s)
 
     def finished(self, delivery: Delivery) -> None:
-        """Nothing to remember: an in-process queue dies with its process."""
+        self.unfinished[delivery.source] -= 1
 
     async def close(self) -> None:
         self._arrived.set()
@@ -115,8 +113,12 @@ class InProcessBus(Bus):
         replayed = [m for t, m in target.recent if t >= since] if replay_s > 0 else []
         return _InProcessListener(target, replayed)
 
-    async def open_request_queue(self, topics: Sequence[str], group: str) -> RequestQueue:
-        queue = _InProcessRequestQueue(topics)
+    async def backlog(self, topics: Sequence[str], group: str) -> dict[str, int]:
+        queues = {name: self._topic(name).queue for name in topics}
+        return {name: queue.unfinished[name] if queue else 0 for name, queue in queues.items()}
+
+    async def open_request_queue(self, topics: Sequence[str], group: str, aging_s: float = 10.0) -> RequestQueue:
+        queue = _InProcessRequestQueue(aging_s)
         for name in topics:
             self._topic(name).queue = queue
         return queue

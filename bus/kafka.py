@@ -21,14 +21,14 @@ from aiokafka.errors import CommitFailedError, KafkaError, UnknownTopicOrPartiti
 from aiokafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 
-from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, UnknownTopic
-from bus.topics import priority_of
+from bus.base import Accept, Bus, BusUnavailable, Delivery, Listener, RequestQueue, UnknownTopic, offer
 from schemas.messages import BusMessage, GenerationRequest, decode, encode
 
 log = structlog.get_logger("bus.kafka")
 
 _TOPIC_ALREADY_EXISTS = 36
 _TOPIC_VISIBLE_TIMEOUT_S = 10.0
+_FETCH = 64  # requests read per poll at most: enough to compare priorities, few enough not to hoard
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class KafkaSettings:
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 1_000
     max_poll_interval_ms: int = 60_000
-    publish_timeout_s: float = 10.0
+    # Past this a message is given up (and not sent later): a gateway answers 503 at once.
+    publish_timeout_s: float = 1.5
 
 
 def _decode(record) -> BusMessage | None:
@@ -82,12 +83,14 @@ class _OffsetTracker:
 
 
 class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
-    def __init__(self, consumer: AIOKafkaConsumer, topics: Sequence[str], group: str) -> None:
+    def __init__(self, consumer: AIOKafkaConsumer, group: str, aging_s: float) -> None:
         self._consumer = consumer
-        self._topics = list(topics)
         self._group = group
+        self._aging_s = aging_s
         self._offsets: dict[TopicPartition, _OffsetTracker] = {}
         self._to_commit: set[TopicPartition] = set()
+        # Fetched but refused so far; their partitions are paused until they are taken.
+        self._waiting: list[Delivery] = []
 
     # -- ConsumerRebalanceListener: called by aiokafka around a rebalance
 
@@ -97,6 +100,8 @@ class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
         await self._commit()
         for partition in revoked:
             self._offsets.pop(partition, None)
+        # Their new owner reads them again from the last commit.
+        self._waiting = [d for d in self._waiting if d.source[0] not in revoked]
         log.info("partitions_revoked", group=self._group, partitions=len(revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
@@ -104,28 +109,19 @@ class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
 
     # -- RequestQueue
 
-    async def take(self, limit: int, timeout_s: float) -> list[Delivery]:
+    async def take(self, accept: Accept, timeout_s: float) -> list[Delivery]:
         await self._commit()
+        # Read on only where nothing is waiting: a refused request keeps its partition paused.
+        holding = {d.source[0] for d in self._waiting}
         assigned = self._consumer.assignment()
-        if limit == 0:
-            # Polling a paused consumer fetches nothing but keeps the member alive.
-            self._consumer.pause(*assigned)
-            await self._consumer.getmany(timeout_ms=int(timeout_s * 1000))
-            return []
-        self._consumer.resume(*assigned)
-        taken: list[Delivery] = []
-        for topic in self._topics:  # most urgent first, from what is fetched already
-            partitions = [p for p in assigned if p.topic == topic]
-            if partitions and len(taken) < limit:
-                batches = await self._consumer.getmany(*partitions, max_records=limit - len(taken))
-                self._collect(batches, taken)
-        if not taken:
-            batches = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000), max_records=limit)
-            self._collect(batches, taken)
-        taken.sort(key=lambda d: priority_of(d.source[0].topic))
-        return taken
+        self._consumer.pause(*(assigned & holding))
+        self._consumer.resume(*(assigned - holding))
+        # Polling a paused consumer fetches nothing but keeps the member alive.
+        batches = await self._consumer.getmany(timeout_ms=int(timeout_s * 1000), max_records=_FETCH)
+        self._collect(batches)
+        return offer(self._waiting, accept, self._aging_s)
 
-    def _collect(self, batches, taken: list[Delivery]) -> None:
+    def _collect(self, batches) -> None:
         for partition, records in batches.items():
             tracker = self._offsets.setdefault(partition, _OffsetTracker())
             for record in records:
@@ -134,7 +130,7 @@ class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
                 message = _decode(record)
                 if isinstance(message, GenerationRequest):
                     tracker.unfinished.add(record.offset)
-                    taken.append(Delivery(message, (partition, record.offset)))
+                    self._waiting.append(Delivery(message, (partition, record.offset)))
                 elif message is not None:
                     log.warning("not_a_request", topic=partition.topic, kind=message.kind)
 
@@ -170,6 +166,7 @@ class KafkaBus(Bus):
         self._client_id = client_id
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
+        self._offsets: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
         self._admin = AIOKafkaAdminClient(
@@ -181,10 +178,13 @@ class KafkaBus(Bus):
             client_id=self._client_id,
             acks="all",  # a request acknowledged to the gateway survives a broker crash
             linger_ms=0,
+            request_timeout_ms=int(self._settings.publish_timeout_s * 1000),
         )
         await self._producer.start()
 
     async def close(self) -> None:
+        if self._offsets is not None:
+            await self._offsets.stop()
         if self._producer is not None:
             await self._producer.stop()
         if self._admin is not None:
@@ -279,7 +279,30 @@ class KafkaBus(Bus):
                 raise UnknownTopic(topic)
             await asyncio.sleep(0.05)
 
-    async def open_request_queue(self, topics: Sequence[str], group: str) -> RequestQueue:
+    async def backlog(self, topics: Sequence[str], group: str) -> dict[str, int]:
+        assert self._admin is not None
+        try:
+            partitions = [p for topic in topics for p in await self._partitions(topic)]
+            committed = await self._admin.list_consumer_group_offsets(group)
+            offsets = await self._offsets_reader()
+            ends = await offsets.end_offsets(partitions)
+            starts = await offsets.beginning_offsets(partitions)
+        except (KafkaError, UnknownTopic) as error:
+            raise BusUnavailable(f"cannot measure the backlog of {group}: {error!r}") from error
+        backlog = dict.fromkeys(topics, 0)
+        for partition in partitions:
+            done = committed[partition].offset if partition in committed else starts[partition]
+            backlog[partition.topic] += max(0, ends[partition] - done)
+        return backlog
+
+    async def _offsets_reader(self) -> AIOKafkaConsumer:
+        """A consumer of no group, only to ask the broker for partitions' first and last offsets."""
+        if self._offsets is None:
+            self._offsets = self._consumer()
+            await self._offsets.start()
+        return self._offsets
+
+    async def open_request_queue(self, topics: Sequence[str], group: str, aging_s: float = 10.0) -> RequestQueue:
         consumer = self._consumer(
             group_id=group,
             auto_offset_reset="earliest",  # a request published before any worker joined still counts
@@ -287,7 +310,7 @@ class KafkaBus(Bus):
             heartbeat_interval_ms=self._settings.heartbeat_interval_ms,
             max_poll_interval_ms=self._settings.max_poll_interval_ms,
         )
-        queue = _KafkaRequestQueue(consumer, topics, group)
+        queue = _KafkaRequestQueue(consumer, group, aging_s)
         consumer.subscribe(list(topics), listener=queue)
         await consumer.start()
         return queue

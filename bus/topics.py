@@ -23,8 +23,9 @@ def request_topics(prefix: str, model: str) -> list[str]:
     return [request_topic(prefix, model, p) for p in PRIORITIES]
 
 
-def priority_of(topic: str) -> int:
-    return int(topic.rsplit(".p", 1)[1])
+def worker_group(prefix: str, model: str) -> str:
+    """The Kafka consumer group of the workers of a model: each request goes to one of them."""
+    return f"{prefix}.workers.{_slug(model)}"
 
 
 def reply_topic(prefix: str, gateway_id: str) -> str:

@@ -12,10 +12,11 @@ import time
 from collections.abc import AsyncIterator
 
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenEvents
+from tokenrelay.metrics import RequestTimer, metrics_of
 
 # How long past its deadline a request waits for the worker's own timeout
-# event before the gateway gives up on the worker and ends it itself.
-DEADLINE_GRACE_S = 1.0
+# event before the gateway ends it itself (it may still wait in a topic).
+DEADLINE_GRACE_S = 0.1
 
 
 class InFlight:
@@ -24,8 +25,7 @@ class InFlight:
         self.client_id = client_id  # the id the client knows it by
         self.finished = False  # its last event was handed out
         self.worker_ended = False  # a worker said it is done with it (else it may still run)
-        self.generated_tokens = 0  # so far, EOS and recomputed tokens included
-        self.outcome: str | None = None  # the finish_reason, or the error_type, once it ended
+        self.timer = RequestTimer(metrics_of("gateway"), request)
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     def deliver(self, event: TokenEvent) -> None:
@@ -42,10 +42,7 @@ class InFlight:
             except TimeoutError:
                 event = self._expired()
                 self.finished = True
-            if event.token_ids:
-                self.generated_tokens = event.index + len(event.token_ids)
-            if self.finished:
-                self.outcome = event.error.error_type if event.error else event.finish_reason.value
+            self.timer.event(event, time.time())
             yield event
 
     def _expired(self) -> TokenEvent:

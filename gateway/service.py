@@ -17,13 +17,19 @@ import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.topics import control_topic, reply_topic, request_topic
-from gateway import metrics
 from gateway.directory import WorkerDirectory
 from gateway.errors import ApiError, not_found, unavailable
 from gateway.inflight import InFlight, InFlightRegistry
 from schemas.messages import CancelRequest, GenerationRequest, SamplingParams, ServedModel, TokenEvents, WorkerHeartbeat
+from tokenrelay.metrics import metrics_of, record_backlog
 
 log = structlog.get_logger(__name__)
+
+TOO_MANY_REQUESTS = "Too Many Requests"
+SERVICE_UNAVAILABLE = "Service Unavailable"
+CLIENT_GONE = "client gone"
+RETRY_AFTER_S = 1  # in-flight requests end every few tens of milliseconds under load
+BACKLOG_INTERVAL_S = 5.0
 
 # Replay this much of the control topic at start, so that a new gateway knows
 # the running workers at once instead of after their next heartbeat.
@@ -38,6 +44,7 @@ class GatewaySettings:
     default_priority: int = 5
     default_model: str = ""  # what /infer_token and /infer serve; empty: the only model served
     full_text: bool = False  # MindIE's fullTextEnabled: stream events carry the text so far
+    max_in_flight: int = 4096  # requests waiting for their last event; beyond: 429
 
 
 class GatewayService:
@@ -49,6 +56,7 @@ class GatewayService:
         self._control_topic = control_topic(settings.topic_prefix)
         self.directory = WorkerDirectory()
         self.inflight = InFlightRegistry()
+        self._metrics = metrics_of("gateway")
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
 
@@ -60,6 +68,7 @@ class GatewayService:
         self._tasks = [
             asyncio.create_task(self._route_replies(replies), name="route-replies"),
             asyncio.create_task(self._watch_control(control), name="watch-control"),
+            asyncio.create_task(self._measure_backlogs(), name="measure-backlogs"),
         ]
         log.info("gateway_started", gateway_id=self.gateway_id, reply_topic=self._reply_topic)
 
@@ -83,6 +92,13 @@ class GatewayService:
         async for message in control:
             if isinstance(message, WorkerHeartbeat):
                 self.directory.observe(message)
+
+    async def _measure_backlogs(self) -> None:
+        """The workers' consumer lag on each served model's priority topics, as a gauge."""
+        while True:
+            await asyncio.sleep(BACKLOG_INTERVAL_S)
+            for model in self.directory.model_names():
+                await record_backlog(self._bus, self._metrics, self._settings.topic_prefix, model)
 
     def default_model_name(self) -> str:
         """The model of the routes that name none (/infer_token, /infer)."""
@@ -143,15 +159,22 @@ class GatewayService:
             reply_to=self._reply_topic,
         )
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        if len(self.inflight) >= self._settings.max_in_flight:
+            self._metrics.failures.labels(model.name, TOO_MANY_REQUESTS).inc()
+            log.warning("request_refused", reason="in-flight limit", in_flight=len(self.inflight))
+            raise ApiError(
+                429,
+                TOO_MANY_REQUESTS,
+                f"this gateway already has {len(self.inflight)} requests in flight, its limit (--max-in-flight)",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         inflight = self.inflight.open(request, client_id or request.request_id)
-        metrics.started(inflight)
         topic = request_topic(self._settings.topic_prefix, model.name, request.priority)
         try:
             await self._bus.publish(topic, request)
         except (BusUnavailable, UnknownTopic) as error:
             self.inflight.close(request.request_id)
-            inflight.outcome = "Service Unavailable"
-            metrics.ended(inflight)
+            inflight.timer.end(SERVICE_UNAVAILABLE, time.time(), failed=True)
             log.warning("publish_failed", topic=topic, error=str(error))
             raise unavailable(f"the message bus cannot take the request now: {error}") from error
         log.info("request_published", topic=topic, model=model.name, priority=request.priority)
@@ -168,16 +191,20 @@ class GatewayService:
     async def _cancel(self, inflight: InFlight, reason: str) -> None:
         try:
             await self._bus.publish(
-                self._control_topic, CancelRequest(request_id=inflight.request.request_id, reason=reason)
+                self._control_topic,
+                CancelRequest(
+                    request_id=inflight.request.request_id, reason=reason, deadline=inflight.request.deadline
+                ),
             )
         except (BusUnavailable, UnknownTopic) as error:
             raise unavailable(f"the message bus cannot take the cancellation now: {error}") from error
+        self._metrics.cancellations.labels(inflight.request.model, reason).inc()
         log.info("request_cancelled", request_id=inflight.request.request_id, reason=reason)
 
     async def finish(self, inflight: InFlight) -> None:
         """Forget a request; if its worker may still run it (client gone, deadline), tell it to stop."""
         self.inflight.close(inflight.request.request_id)
-        metrics.ended(inflight)
+        inflight.timer.end(CLIENT_GONE, time.time())  # unless its last event ended it already
         if inflight.worker_ended:
             return
         try:

@@ -71,6 +71,15 @@ class GenerationRequest(_Message):
             raise ValueError("exactly one of prompt_text and prompt_token_ids must be set")
         return self
 
+    def urgency(self, now: float, aging_s: float) -> float:
+        """Lower is more urgent: its priority, less one level per `aging_s` waited since arrival."""
+        return aged_priority(self.priority, now - self.arrival, aging_s)
+
+
+def aged_priority(priority: int, waited_s: float, aging_s: float) -> float:
+    """Priority aging, wherever requests wait (topics, engine): priority 5 is never starved."""
+    return priority - waited_s / aging_s
+
 
 class ErrorInfo(BaseModel):
     """An error a worker reports for a request, in the contract's terms."""
@@ -115,6 +124,7 @@ class CancelRequest(_Message):
     kind: Literal["cancel"] = "cancel"
     request_id: str
     reason: str
+    deadline: float  # the request's: after it nobody runs the request anyway, so workers may forget the cancel
 
 
 class ServedModel(BaseModel):

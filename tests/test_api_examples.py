@@ -12,6 +12,7 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.processes import serving
 from tests.spec_examples import (
@@ -205,25 +206,35 @@ def test_full_text_enabled_streams_the_text_so_far(tmp_path):
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
-    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{{wanted}}} "):
-            return float(line.rsplit(" ", 1)[1])
+    """A sample's value in Prometheus's text format (0 if absent), whatever the order of its labels."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
     return 0.0
 
 
-def test_metrics_count_requests_and_tokens(server):
+def test_metrics_count_requests_tokens_and_latencies_on_gateway_and_worker(server):
     before = httpx.get(server.url("/metrics"))
     assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
     body = {"text_input": LONG_PROMPT, "parameters": {"max_new_tokens": 3}}
     assert httpx.post(server.url("/v2/models/llama3-70b/generate"), json=body, timeout=60).status_code == 200
     after = httpx.get(server.url("/metrics")).text
+
+    def added(name: str, **labels: str) -> float:
+        return _metric(after, name, **labels) - _metric(before.text, name, **labels)
+
     model = "tokenrelay-tiny"  # aliases count under the canonical name
-    requests = "tokenrelay_requests_total"
-    assert (
-        _metric(after, requests, model=model, outcome="length")
-        == _metric(before.text, requests, model=model, outcome="length") + 1
-    )
-    tokens = "tokenrelay_generated_tokens_total"
-    assert _metric(after, tokens, model=model) == _metric(before.text, tokens, model=model) + 3
-    assert _metric(after, "tokenrelay_requests_in_flight", model=model) == 0
+    for component in ("gateway", "worker"):  # `serve` is both, in one registry
+        family = f"tokenrelay_{component}"
+        assert added(f"{family}_requests_total", model=model, priority="5", outcome="length") == 1
+        assert added(f"{family}_generated_tokens_total", model=model) == 3
+        for histogram, observations in [
+            ("time_to_first_token_seconds", 1),
+            ("queue_time_seconds", 1),
+            ("inter_token_latency_seconds", 2),
+            ("e2e_request_latency_seconds", 1),
+        ]:
+            assert added(f"{family}_{histogram}_count", model=model, priority="5") == observations, histogram
+        assert _metric(after, f"{family}_requests_running", model=model) == 0
+        assert _metric(after, f"{family}_requests_waiting", model=model) == 0

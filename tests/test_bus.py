@@ -48,11 +48,11 @@ async def _next(listener, timeout_s: float = 10.0):
 async def test_a_listener_sees_what_is_published_after_it_opened(bus, topic_prefix):
     topic = f"{topic_prefix}.control"
     await bus.create_topics({topic: 1})
-    await bus.publish(topic, CancelRequest(request_id="before", reason="x"))
+    await bus.publish(topic, CancelRequest(request_id="before", reason="x", deadline=0.0))
     listener = await bus.listen(topic)
     try:
         for label in ("a", "b", "c"):
-            await bus.publish(topic, CancelRequest(request_id=label, reason="x"))
+            await bus.publish(topic, CancelRequest(request_id=label, reason="x", deadline=0.0))
         first, iterator = await _next(listener)
         second = await asyncio.wait_for(anext(iterator), 10)
         third = await asyncio.wait_for(anext(iterator), 10)
@@ -66,7 +66,7 @@ async def test_every_listener_sees_every_message(bus, topic_prefix):
     await bus.create_topics({topic: 1})
     listeners = [await bus.listen(topic), await bus.listen(topic)]
     try:
-        await bus.publish(topic, CancelRequest(request_id="all", reason="x"))
+        await bus.publish(topic, CancelRequest(request_id="all", reason="x", deadline=0.0))
         for listener in listeners:
             message, _ = await _next(listener)
             assert message.request_id == "all"
@@ -78,7 +78,7 @@ async def test_every_listener_sees_every_message(bus, topic_prefix):
 async def test_replay_delivers_the_recent_past(bus, topic_prefix):
     topic = f"{topic_prefix}.control"
     await bus.create_topics({topic: 1})
-    await bus.publish(topic, CancelRequest(request_id="earlier", reason="x"))
+    await bus.publish(topic, CancelRequest(request_id="earlier", reason="x", deadline=0.0))
     listener = await bus.listen(topic, replay_s=30)
     try:
         message, _ = await _next(listener)
@@ -87,25 +87,45 @@ async def test_replay_delivers_the_recent_past(bus, topic_prefix):
         await listener.close()
 
 
-async def test_requests_are_taken_most_urgent_first_and_within_the_limit(bus, topic_prefix):
+def _accept_all(delivery) -> bool:
+    return True
+
+
+def _aged_request(priority: int, label: str, waited_s: float) -> GenerationRequest:
+    return _request(priority, label).model_copy(update={"arrival": time.time() - waited_s})
+
+
+async def test_requests_are_offered_most_urgent_first_with_aging_and_refused_ones_wait(bus, topic_prefix):
     topics = request_topics(topic_prefix, "m")
     await bus.create_topics({t: 2 for t in topics})
-    queue = await bus.open_request_queue(topics, group=f"{topic_prefix}.workers")
+    group = f"{topic_prefix}.workers"
+    queue = await bus.open_request_queue(topics, group, aging_s=10.0)
+    offered: list[str] = []
+
+    def refuse(delivery) -> bool:
+        offered.append(delivery.request.request_id)
+        return False
+
     try:
-        await queue.take(1, timeout_s=0.5)  # join the group before anything is published
-        await bus.publish(topics[4], _request(5, "low"))
-        await bus.publish(topics[4], _request(5, "low-2"))
-        await bus.publish(topics[0], _request(1, "urgent"))
-        await asyncio.sleep(1.0)  # everything fetched: now priority alone decides
-        taken = []
+        await queue.take(refuse, timeout_s=0.5)  # join the group before anything is published
+        await bus.publish(topics[2], _request(3, "fresh-3"))
+        await bus.publish(topics[4], _aged_request(5, "aged-5", waited_s=25))  # as urgent as a 2.5 now
+        await bus.publish(topics[0], _request(1, "urgent-1"))
         deadline = time.monotonic() + 20
-        while len(taken) < 3 and time.monotonic() < deadline:
-            batch = await queue.take(1, timeout_s=0.5)
-            assert len(batch) <= 1
-            taken.extend(batch)
-        assert [d.request.request_id for d in taken][0] == "urgent"
-        assert sorted(d.request.request_id for d in taken) == ["low", "low-2", "urgent"]
-        assert await queue.take(0, timeout_s=0.1) == []
+        while len(offered) < 3 and time.monotonic() < deadline:
+            offered.clear()
+            assert await queue.take(refuse, timeout_s=0.5) == []
+        assert offered == ["urgent-1", "aged-5", "fresh-3"]
+
+        assert await bus.backlog(topics, group) == dict(zip(topics, [1, 0, 1, 0, 1], strict=True))
+        taken = await queue.take(lambda d: d.request.request_id == "aged-5", timeout_s=0.5)
+        assert [d.request.request_id for d in taken] == ["aged-5"]
+        rest = await queue.take(_accept_all, timeout_s=0.5)
+        assert [d.request.request_id for d in rest] == ["urgent-1", "fresh-3"]
+        for delivery in taken + rest:
+            queue.finished(delivery)
+        await queue.take(refuse, timeout_s=0.1)  # Kafka commits what is finished when polled
+        assert await bus.backlog(topics, group) == dict.fromkeys(topics, 0)
     finally:
         await queue.close()
 
@@ -124,7 +144,7 @@ async def test_unfinished_requests_go_to_the_next_member_and_finished_ones_do_no
         first = await bus.open_request_queue(topics, group)
         taken = []
         while len(taken) < 3:
-            taken.extend(await first.take(3, timeout_s=1))
+            taken.extend(await first.take(_accept_all, timeout_s=1))
         assert [d.request.request_id for d in taken] == ["one", "two", "three"]
         first.finished(taken[0])
         first.finished(taken[2])  # "two" is left unfinished, as by a crash
@@ -134,7 +154,7 @@ async def test_unfinished_requests_go_to_the_next_member_and_finished_ones_do_no
         again = []
         deadline = time.monotonic() + 30
         while len(again) < 2 and time.monotonic() < deadline:
-            again.extend(await second.take(3, timeout_s=1))
+            again.extend(await second.take(_accept_all, timeout_s=1))
         # Committed up to the first unfinished request: "two" comes back, and
         # "three" with it (at least once); "one" never does.
         assert [d.request.request_id for d in again] == ["two", "three"]
@@ -146,4 +166,4 @@ async def test_unfinished_requests_go_to_the_next_member_and_finished_ones_do_no
 async def test_publishing_to_a_topic_nobody_created_fails_in_process():
     bus = InProcessBus()
     with pytest.raises(UnknownTopic):
-        await bus.publish(f"nowhere.{uuid.uuid4().hex}", CancelRequest(request_id="x", reason="x"))
+        await bus.publish(f"nowhere.{uuid.uuid4().hex}", CancelRequest(request_id="x", reason="x", deadline=0.0))

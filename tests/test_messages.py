@@ -41,7 +41,7 @@ def test_every_kind_survives_the_wire():
                 TokenEvent(request_id="r1", index=1, token_ids=[2], finish_reason=FinishReason.EOS_TOKEN),
             ],
         ),
-        CancelRequest(request_id="r1", reason="client gone"),
+        CancelRequest(request_id="r1", reason="client gone", deadline=0.0),
     ]
     for message in messages:
         assert decode(encode(message)) == message
@@ -60,7 +60,7 @@ def test_a_request_has_exactly_one_prompt():
 
 
 def test_unknown_wire_version_is_refused():
-    payload = json.loads(encode(CancelRequest(request_id="r1", reason="x")))
+    payload = json.loads(encode(CancelRequest(request_id="r1", reason="x", deadline=0.0)))
     payload["v"] = 2
     with pytest.raises(ValidationError):
         decode(json.dumps(payload).encode())

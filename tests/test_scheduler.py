@@ -187,3 +187,19 @@ def test_a_sequence_that_outgrows_memory_preempts_the_least_urgent():
         sequence.generated.append(1)  # each now needs a third block; only one pair fits
     chunks = scheduler.schedule()
     assert [c.sequence.request_id for c in chunks] == ["keep"] and drop.status is Status.WAITING
+
+
+def test_an_urgent_request_preempts_the_least_urgent_when_the_batch_is_full():
+    scheduler, blocks = _scheduler(max_batch=2)
+    older, newer = (_sequence([1, 2, 3], priority=5, name=n) for n in ("older", "newer"))
+    for sequence in (older, newer):
+        scheduler.add(sequence)
+    scheduler.schedule()
+    urgent = _sequence([4, 5, 6], priority=1, name="urgent")
+    scheduler.add(urgent)
+    names = {c.sequence.request_id for c in scheduler.schedule()}
+    # The most recently received of the least urgent makes room; an equal priority would not.
+    assert names == {"older", "urgent"} and newer.status is Status.WAITING and scheduler.preemptions == 1
+    scheduler.add(_sequence([7, 8], priority=5, name="equal"))
+    assert {c.sequence.request_id for c in scheduler.schedule()} == {"older", "urgent"}
+    assert scheduler.preemptions == 1 and len(scheduler.waiting) == 2

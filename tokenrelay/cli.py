@@ -21,6 +21,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import prometheus_client
 import structlog
 import uvicorn
 
@@ -82,6 +83,13 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=40,
         help="largest request body in MB; larger ones get 413 (maxRequestLength)",
+    )
+    _option(
+        parser,
+        "--max-in-flight",
+        type=int,
+        default=4096,
+        help="requests this gateway waits for at once; beyond that, 429 with Retry-After",
     )
     _option(
         parser,
@@ -162,6 +170,14 @@ def _kafka_options(parser: argparse.ArgumentParser) -> None:
         default=10_000,
         help="workers: how long the group waits for a silent member",
     )
+    _option(
+        parser,
+        "--kafka-publish-timeout",
+        type=float,
+        default=1.5,
+        help="seconds a message may take to reach the broker; after that the publisher gives up "
+        "(a gateway answers 503)",
+    )
     _option(parser, "--kafka-heartbeat-interval-ms", type=int, default=1_000, help="workers: group heartbeat period")
     _option(
         parser,
@@ -191,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         _worker_options(sub)
     for sub in (gateway, worker):
         _kafka_options(sub)
+    _option(
+        worker,
+        "--metrics-address",
+        default="",
+        help="HOST:PORT where the worker serves GET /metrics (Prometheus); empty: nowhere",
+    )
     return parser
 
 
@@ -201,6 +223,7 @@ def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
         session_timeout_ms=args.kafka_session_timeout_ms,
         heartbeat_interval_ms=args.kafka_heartbeat_interval_ms,
         max_poll_interval_ms=args.kafka_max_poll_interval_ms,
+        publish_timeout_s=args.kafka_publish_timeout,
     )
     return KafkaBus(settings, client_id=client_id)
 
@@ -232,6 +255,7 @@ def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
         gateway_id=args.gateway_id,
         default_model=args.default_model,
         full_text=args.full_text_enabled,
+        max_in_flight=args.max_in_flight,
     )
     media = MediaLoader(
         MediaPolicy(
@@ -305,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         bus = _kafka_bus(args, client_id=f"worker-{args.worker_id or os.getpid()}")
         parts = (None, _worker(args, bus))
+        if args.metrics_address:
+            host, _, port = args.metrics_address.rpartition(":")
+            prometheus_client.start_http_server(int(port), addr=host or "0.0.0.0")
     try:
         ok = asyncio.run(_run(bus, *parts))
     except Exception:

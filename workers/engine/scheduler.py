@@ -5,8 +5,9 @@ Between steps the scheduler
   sequence gains one level for every `aging_s` it has waited, so priority 5
   is never starved; admission stops at the first sequence that does not fit
   (batch size, or KV blocks), so nothing overtakes a more urgent one;
-- makes room for an urgent sequence that does not fit by preempting the least
-  urgent running one (of a strictly lower priority; aging does not preempt):
+- makes room for an urgent sequence that does not fit (batch full, or KV
+  blocks short) by preempting the least urgent running one (of a strictly
+  lower priority; aging does not preempt):
   its blocks are freed (their KV stays findable in the prefix cache) and it
   waits to be recomputed, seeing only a pause;
 - spends a token budget per step: one token for each decoding sequence, the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from schemas.messages import aged_priority
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, Status
 
@@ -69,8 +71,17 @@ class Scheduler:
         sequence.status = Status.FINISHED
 
     def _urgency(self, sequence: Sequence, now: float) -> float:
-        """Lower is more urgent: the priority, less a level per aging interval waited."""
-        return sequence.priority - (now - sequence.waiting_since) / self._config.aging_s
+        return aged_priority(sequence.priority, now - sequence.waiting_since, self._config.aging_s)
+
+    def _victim(self, priority: int, urgency: float) -> Sequence | None:
+        """The running sequence to preempt for one of this priority and urgency, if any may be.
+
+        Only a strictly more urgent priority preempts (aging orders the queue,
+        it does not preempt), and never a sequence that aged its way in to be
+        more urgent than the newcomer: it would starve.
+        """
+        eligible = [s for s in self.running if s.priority > priority and s.admitted_urgency > urgency]
+        return max(eligible, key=lambda s: (s.priority, s.received_at)) if eligible else None
 
     def _least_urgent_running(self) -> Sequence:
         return max(self.running, key=lambda s: (s.priority, s.received_at))
@@ -110,14 +121,16 @@ class Scheduler:
 
     def _admit(self, now: float) -> None:
         self.waiting.sort(key=lambda s: (self._urgency(s, now), s.received_at))
-        while self.waiting and len(self.running) < self._config.max_batch_size:
-            candidate = self.waiting[0]
-            while not self._blocks.can_allocate(candidate):
-                # Aging orders the queue; only a strictly more urgent priority preempts.
-                if not self.running or self._least_urgent_running().priority <= candidate.priority:
+        while self.waiting:
+            candidate = self.waiting.pop(0)
+            urgency = self._urgency(candidate, now)
+            while len(self.running) >= self._config.max_batch_size or not self._blocks.can_allocate(candidate):
+                victim = self._victim(candidate.priority, urgency)
+                if victim is None:
+                    self.waiting.insert(0, candidate)
                     return  # nothing less urgent to make room with: wait, and let nothing overtake
-                self._preempt(self._least_urgent_running())
-            self.waiting.pop(0)
+                self._preempt(victim)
+            candidate.admitted_urgency = urgency
             self._blocks.allocate(candidate)
             candidate.status = Status.RUNNING
             self.running.append(candidate)

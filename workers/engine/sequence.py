@@ -29,6 +29,7 @@ class Sequence:
     num_cached_tokens: int = 0  # leading tokens whose KV is in the cache
     waiting_since: float = field(default_factory=time.monotonic)  # for priority aging
     admitted_at: float | None = None  # first scheduled
+    admitted_urgency: float = 0.0  # its aged priority when last admitted (see Scheduler._victim)
     last_token_at: float | None = None
     preemptions: int = 0
     finish_reason: FinishReason | None = None
