@@ -8,10 +8,14 @@ errors known before the first token keep their HTTP status.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import HTTPConnection, Request
 
 from gateway.errors import ApiError, unprocessable
 from gateway.inflight import InFlight
@@ -22,6 +26,10 @@ from schemas.multimodal import MEDIA_KINDS, TextItem, media_reference
 from schemas.parameters import RouteParameters
 
 GENERATION_ERROR = "Generation Error"
+CLIENT_CLOSED_REQUEST = "Client Closed Request"  # 499, as nginx calls it: nobody reads the answer
+DISCONNECT_POLL_S = 0.1  # how often a request waiting for its worker checks that its client is still there
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,22 +103,44 @@ async def start(
     )
 
 
-async def complete(service: GatewayService, inflight: InFlight) -> Completion:
+async def complete(service: GatewayService, inflight: InFlight, connection: HTTPConnection) -> Completion:
     """Every event of the request, as one answer; an error event raises ApiError."""
     token_ids: list[int] = []
     pieces: list[str] = []
     last: TokenEvent | None = None
-    try:
+
+    async def collect() -> None:
+        nonlocal last
         async for event in inflight.events():
             if event.error is not None:
                 raise _error(event)
             token_ids.extend(event.token_ids)
             pieces.append(event.text)
             last = event
+
+    try:
+        await _unless_gone(collect(), connection)
     finally:
-        await service.finish(inflight)
+        service.finish(inflight)
     assert last is not None and last.finish_reason is not None
     return Completion(token_ids, "".join(pieces), last.finish_reason, last.index + len(last.token_ids))
+
+
+async def _unless_gone(awaitable: Awaitable[T], connection: HTTPConnection) -> T:
+    """Await `awaitable`, unless the HTTP client disconnects first (then raise ApiError 499).
+
+    A WebSocket's streams are cancelled by the socket's own handler instead.
+    """
+    if not isinstance(connection, Request):
+        return await awaitable
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await connection.is_disconnected():
+                raise ApiError(499, CLIENT_CLOSED_REQUEST, "the client closed the connection")
+        return task.result()
+    finally:
+        task.cancel()
 
 
 def sse(obj: dict, space: bool) -> str:
@@ -124,21 +154,22 @@ def error_object(event: TokenEvent) -> dict:
     return {"error": event.error.message, "error_type": event.error.error_type}
 
 
-async def stream(service: GatewayService, inflight: InFlight) -> AsyncIterator[TokenEvent]:
+async def stream(service: GatewayService, inflight: InFlight, connection: HTTPConnection) -> AsyncIterator[TokenEvent]:
     """The request's events, once the first has arrived.
 
     An error as the first event raises ApiError here; a later one is yielded
-    as the stream's last event, for the route to render. Closing the iterator
-    early (client gone) cancels the request on its worker.
+    as the stream's last event, for the route to render. A client that leaves
+    before the first event, or closes the iterator early, cancels the request
+    on its worker.
     """
     events = inflight.events()
     try:
-        first = await anext(events)
+        first = await _unless_gone(anext(events), connection)
     except BaseException:
-        await service.finish(inflight)
+        service.finish(inflight)
         raise
     if first.error is not None:
-        await service.finish(inflight)
+        service.finish(inflight)
         raise _error(first)
 
     async def rest() -> AsyncIterator[TokenEvent]:
@@ -148,6 +179,6 @@ async def stream(service: GatewayService, inflight: InFlight) -> AsyncIterator[T
                 async for event in events:
                     yield event
         finally:
-            await service.finish(inflight)
+            service.finish(inflight)
 
     return rest()

@@ -59,6 +59,7 @@ class GatewayService:
         self._metrics = metrics_of("gateway")
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
+        self._cancelling: set[asyncio.Task] = set()  # cancellations being published
 
     async def start(self) -> None:
         await self._bus.create_topics({self._reply_topic: 1, self._control_topic: 1})
@@ -73,6 +74,7 @@ class GatewayService:
         log.info("gateway_started", gateway_id=self.gateway_id, reply_topic=self._reply_topic)
 
     async def stop(self) -> None:
+        await asyncio.gather(*self._cancelling, return_exceptions=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -201,13 +203,24 @@ class GatewayService:
         self._metrics.cancellations.labels(inflight.request.model, reason).inc()
         log.info("request_cancelled", request_id=inflight.request.request_id, reason=reason)
 
-    async def finish(self, inflight: InFlight) -> None:
-        """Forget a request; if its worker may still run it (client gone, deadline), tell it to stop."""
+    def finish(self, inflight: InFlight) -> None:
+        """Forget a request; if its worker may still run it (client gone, deadline), tell it to stop.
+
+        The cancellation is published by a task of its own: the caller is
+        often being cancelled itself (its client left), which would cut an
+        awaited publish short.
+        """
         self.inflight.close(inflight.request.request_id)
         inflight.timer.end(CLIENT_GONE, time.time())  # unless its last event ended it already
         if inflight.worker_ended:
             return
+        reason = "deadline passed" if inflight.finished else CLIENT_GONE
+        task = asyncio.create_task(self._cancel_quietly(inflight, reason))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _cancel_quietly(self, inflight: InFlight, reason: str) -> None:
         try:
-            await self._cancel(inflight, "deadline passed" if inflight.finished else "client gone")
+            await self._cancel(inflight, reason)
         except ApiError as error:  # nobody to answer: the worker's own deadline ends the request
-            log.warning("cancel_not_published", error=error.body.error)
+            log.warning("cancel_not_published", request_id=inflight.request.request_id, error=error.body.error)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -115,3 +116,25 @@ def serving(log_dir: Path, *args: str, model: str = "tokenrelay-tiny", env: dict
         yield served
     finally:
         assert process.stop() == 0, process.log_tail()
+
+
+@contextlib.contextmanager
+def on_kafka(
+    log_dir: Path,
+    bootstrap: str,
+    worker_args: tuple[str, ...] = (),
+    gateway_args: tuple[str, ...] = (),
+    model: str = "tokenrelay-tiny",
+):
+    """A worker and a gateway on Kafka with topics of their own; yields (gateway, worker), both ready."""
+    port = free_port()
+    kafka = ["--kafka-bootstrap", bootstrap, "--topic-prefix", f"t{uuid.uuid4().hex[:10]}"]
+    worker = spawn_tokenrelay(["worker", *kafka, *worker_args], log_dir / "worker.log")
+    gateway = spawn_tokenrelay(["gateway", "--port", str(port), *kafka, *gateway_args], log_dir / "gateway.log")
+    served = Served(gateway, f"http://127.0.0.1:{port}")
+    try:
+        wait_ready(served.base_url, model, [worker, gateway])
+        yield served, worker
+    finally:
+        for process in (gateway, worker):
+            assert process.stop() == 0, process.log_tail()

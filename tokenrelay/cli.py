@@ -31,7 +31,7 @@ from bus.kafka import KafkaBus, KafkaSettings
 from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
-from tokenrelay import logs
+from tokenrelay import bench_serve, logs
 from workers.engine import bench as bench_engine
 from workers.engine.engine import EngineConfig
 from workers.engine.model_runner import BUNDLED_MODEL, DTYPES, load_model
@@ -196,8 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="gateway and worker in one process, in-process bus")
     gateway = commands.add_parser("gateway", help="an HTTP/WebSocket gateway on Kafka")
     worker = commands.add_parser("worker", help="a model worker on Kafka")
-    bench = commands.add_parser("bench", help="benchmarks: `tokenrelay bench engine --help`", add_help=False)
-    bench.add_argument("benchmark", choices=["engine"])
+    bench = commands.add_parser(
+        "bench", help="benchmarks: `tokenrelay bench engine --help`, `tokenrelay bench serve --help`", add_help=False
+    )
+    bench.add_argument("benchmark", choices=["engine", "serve"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     for sub in (serve, gateway, worker):
         _common_options(sub)
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         logs.configure("warning", process="bench")
-        bench_engine.main(args.options)
+        (bench_engine if args.benchmark == "engine" else bench_serve).main(args.options)
         return
     logs.configure(args.log_level, process=args.command)
     if args.command == "serve":

@@ -51,13 +51,13 @@ async def infer_token(body: InferTokenRequest, request: Request) -> JSONResponse
     seed = inflight.request.sampling.seed
 
     if not body.stream:
-        done = await complete(service, inflight)
+        done = await complete(service, inflight, request)
         answer: dict = {"generated_text": done.text}
         if parameters.wants_details:
             answer["details"] = _details(done.finish_reason, done.generated_tokens, seed)
         return JSONResponse(answer)
 
-    events = await stream(service, inflight)
+    events = await stream(service, inflight, request)
 
     async def frames() -> AsyncIterator[str]:
         so_far = ""

@@ -66,7 +66,7 @@ async def stream_objects(
         tokens_before=parameters.tokens_before,
         client_id=body.id,
     )
-    events = await stream(service, inflight)
+    events = await stream(service, inflight, connection)
 
     async def render() -> AsyncIterator[dict]:
         so_far = ""
@@ -87,7 +87,7 @@ async def generate(model: str, body: GenerateRequest, request: Request) -> JSONR
     """Generate text for a prompt and answer with all of it at once."""
     service: GatewayService = request.app.state.gateway
     inflight = await start(service, model, body.parameters, text=body.text_input, client_id=body.id)
-    done = await complete(service, inflight)
+    done = await complete(service, inflight, request)
     answer: dict = {"id": inflight.client_id, "model_name": model, "model_version": None, "text_output": done.text}
     if body.parameters.wants_details:
         answer["details"] = {
@@ -120,7 +120,7 @@ async def infer(model: str, body: InferRequest, request: Request) -> JSONRespons
     """Generate from prompt token ids; answer with the generated token ids."""
     service: GatewayService = request.app.state.gateway
     inflight = await start(service, model, body.effective_parameters, token_ids=body.inputs[0].data, client_id=body.id)
-    done = await complete(service, inflight)
+    done = await complete(service, inflight, request)
     output = {"name": body.outputs[0].name, "shape": [1, len(done.token_ids)], "datatype": "UINT32"}
     return JSONResponse({"id": inflight.client_id, "outputs": [{**output, "data": done.token_ids}]})
 

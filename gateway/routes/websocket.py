@@ -26,6 +26,7 @@ class _Socket:
         self._websocket = websocket
         self._send_lock = asyncio.Lock()
         self.streams: dict[str, asyncio.Task] = {}
+        self.closed = False
 
     async def send(self, message: dict) -> None:
         async with self._send_lock:
@@ -65,7 +66,8 @@ class _Socket:
         except ApiError as error:
             await self.fail(stream_id, error.body.error_type, error.body.error)
         except asyncio.CancelledError:
-            await self.send({"id": stream_id, "done": True})  # cancelled by the client's message
+            if not self.closed:  # cancelled by the client's message, not by the socket closing
+                await self.send({"id": stream_id, "done": True})
         except WebSocketDisconnect:
             pass  # the socket closed; the stream's cleanup told the worker to stop
         finally:
@@ -81,7 +83,10 @@ async def websocket_streams(websocket: WebSocket) -> None:
         while True:
             await socket.handle(await websocket.receive_text())
     except WebSocketDisconnect:
-        pass
+        # Streams still waiting for their first token would not notice by themselves.
+        socket.closed = True
+        for task in list(socket.streams.values()):
+            task.cancel()
     finally:
         for task in list(socket.streams.values()):
             task.cancel()

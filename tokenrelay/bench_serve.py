@@ -1,0 +1,355 @@
+"""`tokenrelay bench serve`: load on a streaming endpoint, measured as a client sees it.
+
+In the manner of vLLM's benchmark_serving: a seeded workload (prompts of
+random token ids decoded to text, output lengths drawn per request, greedy
+with a fixed seed so every run asks for the same tokens), sent at a fixed
+concurrency or with Poisson arrivals at a rate, to generate_stream (SSE),
+/infer (MindIE's native stream) or /ws (WebSocket). Reported: time to first
+token, time per output token, inter-token latency and end-to-end latency at
+p50/p90/p99, request and output token throughput.
+
+Against a running server (`--url`), or against topologies it starts itself
+one after the other (`--topology serve kafka`: `tokenrelay serve`, then a
+gateway and a worker on Kafka, on `--kafka-bootstrap` or on a local broker
+from deploy/kafka/), in which case it also prints the Kafka topology's token
+throughput over the in-process one and the latency the Kafka hop adds.
+`--json` prints everything as one JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import websockets
+from transformers import AutoTokenizer
+
+from workers.engine.model_runner import BUNDLED_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
+BROKER = REPO / "deploy" / "kafka" / "broker.sh"
+ENDPOINTS = ("generate_stream", "infer", "ws")
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    max_new_tokens: int
+
+
+@dataclass
+class Outcome:
+    sent_at: float
+    token_times: list[float] = field(default_factory=list)  # when each token arrived
+    error: str | None = None
+
+
+def workload(count: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], seed: int) -> list[Request]:
+    """Prompts of random token ids of the bundled tokenizer, as text; output lengths drawn per request."""
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(tokenizer.vocab_size) if i not in special]
+    return [
+        Request(
+            prompt=tokenizer.decode([rng.choice(ids) for _ in range(rng.randint(*prompt_lens))]),
+            max_new_tokens=rng.randint(*output_lens),
+        )
+        for _ in range(count)
+    ]
+
+
+def _parameters(request: Request) -> dict:
+    return {"max_new_tokens": request.max_new_tokens, "do_sample": False, "seed": 1, "details": True}
+
+
+async def _sse(client: httpx.AsyncClient, url: str, body: dict, prefix: str) -> AsyncIterator[dict]:
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith(prefix):
+                yield json.loads(line[len(prefix) :])
+
+
+async def _events(endpoint: str, client: httpx.AsyncClient, base: str, model: str, request: Request):
+    """The endpoint's stream events for one request, each as (tokens generated so far, error)."""
+    if endpoint == "generate_stream":
+        body = {"text_input": request.prompt, "parameters": _parameters(request)}
+        async for obj in _sse(client, f"{base}/v2/models/{model}/generate_stream", body, "data:"):
+            yield obj.get("details", {}).get("generated_tokens"), obj.get("error")
+    elif endpoint == "infer":
+        body = {"inputs": request.prompt, "stream": True, "parameters": _parameters(request)}
+        count = 0
+        async for obj in _sse(client, f"{base}/infer", body, "data: "):
+            count += obj.get("token") is not None and obj["token"].get("id") is not None
+            yield count, obj.get("error")
+    else:
+        async with websockets.connect(base.replace("http", "ws", 1) + "/ws", max_size=None) as socket:
+            message = {"op": "generate_stream", "model": model, "text_input": request.prompt}
+            await socket.send(json.dumps({**message, "parameters": _parameters(request)}))
+            async for raw in socket:
+                reply = json.loads(raw)
+                if reply.get("done"):
+                    return
+                data = reply["data"]
+                yield data.get("details", {}).get("generated_tokens"), data.get("error")
+
+
+async def _one(endpoint: str, client: httpx.AsyncClient, base: str, model: str, request: Request) -> Outcome:
+    outcome = Outcome(sent_at=time.perf_counter())
+    try:
+        async for generated, error in _events(endpoint, client, base, model, request):
+            if error:
+                outcome.error = error
+                break
+            now = time.perf_counter()
+            outcome.token_times.extend([now] * ((generated or 0) - len(outcome.token_times)))
+    except (httpx.HTTPError, websockets.WebSocketException, RuntimeError, OSError) as failure:
+        outcome.error = str(failure)
+    return outcome
+
+
+async def run_load(
+    base: str, model: str, endpoint: str, requests: list[Request], concurrency: int, rate: float, seed: int
+) -> dict:
+    """Send the workload; the measured figures."""
+    limit = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
+
+    async def limited(request: Request) -> Outcome:
+        async with limit:
+            return await _one(endpoint, client, base, model, request)
+
+    started = time.perf_counter()
+    tasks = []
+    try:
+        for request in requests:
+            tasks.append(asyncio.create_task(limited(request)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        outcomes = await asyncio.gather(*tasks)
+    finally:
+        await client.aclose()
+    return summarize(outcomes, time.perf_counter() - started)
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 2)
+
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "mean": round(statistics.fmean(values) * 1000, 2)}
+
+
+def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
+    done = [o for o in outcomes if o.error is None and o.token_times]
+    tokens = sum(len(o.token_times) for o in done)
+    ttft = [o.token_times[0] - o.sent_at for o in done]
+    tpot = [(o.token_times[-1] - o.token_times[0]) / (len(o.token_times) - 1) for o in done if len(o.token_times) > 1]
+    itl = [b - a for o in done for a, b in zip(o.token_times, o.token_times[1:], strict=False)]
+    e2e = [o.token_times[-1] - o.sent_at for o in done]
+    errors = sorted({o.error for o in outcomes if o.error is not None})
+    return {
+        "requests": len(outcomes),
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "errors": errors[:5],
+        "duration_s": round(duration_s, 3),
+        "request_throughput": round(len(done) / duration_s, 3),
+        "output_tokens": tokens,
+        "output_token_throughput": round(tokens / duration_s, 1),
+        "ttft_ms": _percentiles(ttft),
+        "tpot_ms": _percentiles(tpot),
+        "itl_ms": _percentiles(itl),
+        "e2e_ms": _percentiles(e2e),
+    }
+
+
+# -- topologies started here
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_ready(base: str, model: str, processes: list[subprocess.Popen], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            raise RuntimeError("a tokenrelay process exited while starting; see its log")
+        try:
+            if httpx.get(f"{base}/v2/models/{model}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{model} was not ready at {base} within {timeout_s} s")
+
+
+@contextmanager
+def _processes(commands: list[list[str]], logs: Path, port: int, model: str) -> Iterator[str]:
+    processes = []
+    try:
+        for index, command in enumerate(commands):
+            log = open(logs / f"{command[0]}-{index}.log", "w")
+            processes.append(
+                subprocess.Popen([sys.executable, "-m", "tokenrelay.cli", *command], stdout=log, stderr=log, cwd=REPO)
+            )
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(base, model, processes)
+        yield base
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@contextmanager
+def _local_broker(logs: Path) -> Iterator[str]:
+    port = _free_port()
+    directory = logs / "kafka"
+    started = subprocess.run(
+        [str(BROKER), "start", "--port", str(port), "--dir", str(directory)], capture_output=True, text=True
+    )
+    if started.returncode != 0:
+        raise RuntimeError(f"the local Kafka broker did not start: {started.stderr[-2000:]}")
+    try:
+        yield started.stdout.strip()
+    finally:
+        subprocess.run([str(BROKER), "stop", "--dir", str(directory)], check=False)
+
+
+@contextmanager
+def topology(name: str, logs: Path, worker_args: list[str], kafka_bootstrap: str, model: str) -> Iterator[str]:
+    """A `tokenrelay serve`, or a gateway and a worker on Kafka; yields the gateway's base URL."""
+    port = _free_port()
+    names = ["--served-model-name", model]
+    if name == "serve":
+        with _processes([["serve", "--port", str(port), *names, *worker_args]], logs, port, model) as base:
+            yield base
+        return
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", f"bench{uuid.uuid4().hex[:8]}"]
+    commands = [["worker", *kafka, *names, *worker_args], ["gateway", "--port", str(port), *kafka]]
+    with _processes(commands, logs, port, model) as base:
+        yield base
+
+
+def compare(results: dict[str, dict]) -> dict:
+    """The Kafka topology against the in-process one: throughput ratio, added latency."""
+    serve, kafka = results["serve"], results["kafka"]
+    return {
+        "kafka_over_serve_token_throughput": round(
+            kafka["output_token_throughput"] / max(serve["output_token_throughput"], 1e-9), 3
+        ),
+        "kafka_added_latency_ms": {
+            f"{metric}_{q}": round(kafka[f"{metric}_ms"][q] - serve[f"{metric}_ms"][q], 2)
+            for metric in ("ttft", "itl")
+            for q in ("p50", "p99")
+        },
+    }
+
+
+def _print_table(name: str, result: dict) -> None:
+    line = (
+        f"{name:8s} {result['output_token_throughput']:8.1f} tok/s  {result['request_throughput']:6.2f} req/s  "
+        f"done {result['completed']}/{result['requests']}  "
+    )
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        figures = result[f"{metric}_ms"]
+        line += f"{metric.upper()} p50/p90/p99 {figures['p50']:.1f}/{figures['p90']:.1f}/{figures['p99']:.1f} ms  "
+    print(line.rstrip(), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="tokenrelay bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", help="a running server's base URL, e.g. http://127.0.0.1:1025")
+    parser.add_argument("--topology", nargs="+", choices=["serve", "kafka"], help="start these here, one at a time")
+    parser.add_argument("--kafka-bootstrap", default="", help="for --topology kafka; empty: a local broker")
+    parser.add_argument("--worker-args", default="", help="extra flags for the worker (or serve), one string")
+    parser.add_argument("--model", default="tokenrelay-tiny", help="the model name to request")
+    parser.add_argument("--endpoint", choices=ENDPOINTS, default="generate_stream")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=64, help="streams open at once at most")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    parser.add_argument("--prompt-lens", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-lens", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
+    args = parser.parse_args(argv)
+    if bool(args.url) == bool(args.topology):
+        parser.error("give either --url or --topology")
+
+    requests = workload(args.requests, tuple(args.prompt_lens), tuple(args.output_lens), args.seed)
+    load = dict(
+        model=args.model,
+        endpoint=args.endpoint,
+        requests=requests,
+        concurrency=args.concurrency,
+        rate=args.request_rate,
+        seed=args.seed,
+    )
+    results: dict[str, dict] = {}
+    if args.url:
+        results["server"] = asyncio.run(run_load(args.url, **load))
+        _print_table("server", results["server"])
+    else:
+        with tempfile.TemporaryDirectory(prefix="tokenrelay-bench-") as scratch:
+            logs = Path(scratch)
+            with _bootstrap(args, logs) as bootstrap:
+                for name in args.topology:
+                    with topology(name, logs, args.worker_args.split(), bootstrap, args.model) as base:
+                        asyncio.run(run_load(base, **{**load, "requests": requests[:4]}))  # warm up
+                        results[name] = asyncio.run(run_load(base, **load))
+                    _print_table(name, results[name])
+    report = {
+        "workload": {key: value for key, value in vars(args).items() if key not in ("json", "url")},
+        "results": results,
+    }
+    if {"serve", "kafka"} <= results.keys():
+        report["comparison"] = compare(results)
+        comparison = report["comparison"]
+        added = comparison["kafka_added_latency_ms"]
+        print(
+            f"kafka / serve token throughput: {comparison['kafka_over_serve_token_throughput']}x; "
+            f"the Kafka hop adds TTFT p50 {added['ttft_p50']} ms, p99 {added['ttft_p99']} ms; "
+            f"ITL p50 {added['itl_p50']} ms, p99 {added['itl_p99']} ms",
+            flush=True,
+        )
+    if args.json:
+        print(json.dumps(report), flush=True)
+
+
+@contextmanager
+def _bootstrap(args: argparse.Namespace, logs: Path) -> Iterator[str]:
+    if "kafka" not in args.topology or args.kafka_bootstrap:
+        yield args.kafka_bootstrap
+        return
+    with _local_broker(logs) as bootstrap:
+        yield bootstrap
