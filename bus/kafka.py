@@ -1,10 +1,14 @@
 """The bus on Apache Kafka, through aiokafka.
 
-Latency matters more than throughput here: consumers wait at most
-`fetch_max_wait_ms` (tens of milliseconds, not aiokafka's 500) for data, and
-the producer sends at once. Request offsets are committed by hand, per
-partition, up to the first request that is not finished yet, so that the
-requests of a worker that dies are delivered again to another one.
+Latency matters more than throughput here, and so does the CPU an idle
+consumer burns on a small machine. A fetch is a long poll that the broker
+answers as soon as data arrives, so listeners (a fixed set of partitions)
+wait up to `listen_fetch_max_wait_ms` (aiokafka's 500) at no cost in latency.
+The request queue pauses and resumes partitions, and a partition resumed
+joins only the next fetch: it waits at most `fetch_max_wait_ms` (a hundred
+milliseconds). The producer sends at once. Request offsets are committed by
+hand, per partition, up to the first request that is not finished yet, so
+that the requests of a worker that dies are delivered again to another one.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ _FETCH = 64  # requests read per poll at most: enough to compare priorities, few
 class KafkaSettings:
     bootstrap_servers: str
     replication_factor: int = 1
-    fetch_max_wait_ms: int = 20
+    fetch_max_wait_ms: int = 100  # request queues
+    listen_fetch_max_wait_ms: int = 500  # listeners
     # Group membership of workers. The model runs off the event loop, so
     # heartbeats flow during long steps; these only bound how fast a dead
     # worker is noticed.
@@ -243,12 +248,13 @@ class KafkaBus(Bus):
             bootstrap_servers=self._settings.bootstrap_servers,
             client_id=self._client_id,
             enable_auto_commit=False,
-            fetch_max_wait_ms=self._settings.fetch_max_wait_ms,
-            **overrides,
+            **{"fetch_max_wait_ms": self._settings.fetch_max_wait_ms, **overrides},
         )
 
     async def listen(self, topic: str, replay_s: float = 0.0) -> Listener:
-        consumer = self._consumer(group_id=None, auto_offset_reset="latest")
+        consumer = self._consumer(
+            group_id=None, auto_offset_reset="latest", fetch_max_wait_ms=self._settings.listen_fetch_max_wait_ms
+        )
         await consumer.start()
         try:
             partitions = await self._partitions(topic)
