@@ -9,11 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import httpx
+from tokenrelay import bench_serve
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENRELAY = str(Path(sys.executable).parent / "tokenrelay")
@@ -78,20 +77,12 @@ def spawn_tokenrelay(args: list[str], log_path: Path, env: dict[str, str] | None
 
 
 def wait_ready(base_url: str, model: str, processes: list[Process], timeout_s: float = 180) -> None:
-    """Until the gateway says a worker serves `model`; fails early if a process died."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for process in processes:
-            if process.popen.poll() is not None:
-                raise AssertionError(f"{process.log_path.name} exited early:\n{process.log_tail()}")
-        try:
-            if httpx.get(f"{base_url}/v2/models/{model}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    tails = "\n\n".join(f"{p.log_path.name}:\n{p.log_tail()}" for p in processes)
-    raise AssertionError(f"{model} not ready at {base_url} within {timeout_s} s\n{tails}")
+    """Until the gateway says a worker serves `model`; fails early, with the logs, if a process died."""
+    try:
+        bench_serve.wait_ready(base_url, model, [p.popen for p in processes], timeout_s)
+    except RuntimeError as error:
+        tails = "\n\n".join(f"{p.log_path.name}:\n{p.log_tail()}" for p in processes)
+        raise AssertionError(f"{error}\n{tails}") from None
 
 
 class Served:

@@ -193,11 +193,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_ready(base: str, model: str, processes: list[subprocess.Popen], timeout_s: float = 300) -> None:
+def wait_ready(base: str, model: str, processes: list[subprocess.Popen], timeout_s: float = 300) -> None:
+    """Return once the gateway at `base` says a worker serves `model`; RuntimeError if a process exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in processes):
-            raise RuntimeError("a tokenrelay process exited while starting; see its log")
+        exited = [p.args for p in processes if p.poll() is not None]
+        if exited:
+            raise RuntimeError(f"exited while starting: {exited}")
         try:
             if httpx.get(f"{base}/v2/models/{model}/ready", timeout=2).status_code == 200:
                 return
@@ -217,7 +219,7 @@ def _processes(commands: list[list[str]], logs: Path, port: int, model: str) -> 
                 subprocess.Popen([sys.executable, "-m", "tokenrelay.cli", *command], stdout=log, stderr=log, cwd=REPO)
             )
         base = f"http://127.0.0.1:{port}"
-        _wait_ready(base, model, processes)
+        wait_ready(base, model, processes)
         yield base
     finally:
         for process in processes:
