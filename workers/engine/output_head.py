@@ -9,7 +9,8 @@ not exact. Greedy rows therefore take this path:
    logit by at most (2u + u^2) |h| |w_j| (Cauchy-Schwarz, u = 2^-8), and
    rounding the logit itself by u |logit|;
 3. the exact float32 logits of every token whose bfloat16 logit is within
-   twice the bound of the best one: the true argmax is among them.
+   twice the bound of the best one: the true argmax is among them (rows so
+   flat that too many tokens are, get the float32 projection instead).
 The argmax is the float32 one. Rows that sample, or that carry a repetition
 penalty, get exact float32 logits for the whole vocabulary.
 """
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 _UNIT = 2.0**-8  # bfloat16's unit roundoff
 _CALIBRATION_ROWS = 64
-_FIRST_CANDIDATES = 8
+_MAX_CANDIDATES_PER_ROW = 64  # on average; more, and the whole float32 projection is cheaper
 
 
 class OutputHead:
@@ -50,24 +51,24 @@ class OutputHead:
         """The exact argmax of each row's logits."""
         if self._fast is None:
             return self.logits(hidden).argmax(dim=-1).tolist()
-        approximate = F.linear(hidden.to(torch.bfloat16), self._fast)
+        rows_count, vocab = hidden.shape[0], self._weight.shape[0]
+        # float32 from here: CPUs reduce and compare bfloat16 much more slowly
+        approximate = F.linear(hidden.to(torch.bfloat16), self._fast).float()
+        best = approximate.amax(dim=-1)
         # A logit's error is at most a + u'|logit|, and a candidate's |logit| at most |best| + 2E, so
         # E = (a + u'|best|) / (1 - 2u') bounds the error of every logit that could still be the argmax.
         shift = (2 * _UNIT + _UNIT**2) * hidden.norm(dim=-1) * self._max_row_norm
         rounding = _UNIT * (1 + _UNIT)
-        count = _FIRST_CANDIDATES
-        while True:  # usually once: a few candidates are all that come near the best
-            candidates = approximate.topk(min(count, approximate.shape[-1]), dim=-1)
-            best = candidates.values[:, 0].float()
-            threshold = (best - 2 * (shift + rounding * best.abs()) / (1 - 2 * rounding)).unsqueeze(1)
-            if count >= approximate.shape[-1] or bool((candidates.values[:, -1] < threshold[:, 0]).all()):
-                break
-            count *= 8
-        exact = torch.bmm(self._weight[candidates.indices], hidden.unsqueeze(2)).squeeze(2)
-        exact = exact.masked_fill(candidates.values < threshold, float("-inf"))
+        threshold = best - 2 * (shift + rounding * best.abs()) / (1 - 2 * rounding)
+        rows, ids = (approximate >= threshold.unsqueeze(1)).nonzero(as_tuple=True)
+        if rows.numel() > _MAX_CANDIDATES_PER_ROW * rows_count:  # near-flat rows: exact logits cost less
+            return self.logits(hidden).argmax(dim=-1).tolist()
+        exact = (self._weight[ids] * hidden[rows]).sum(dim=-1)
+        row_best = exact.new_full((rows_count,), float("-inf")).scatter_reduce(0, rows, exact, "amax")
         # Ties go to the lowest token id, as argmax over the whole vocabulary would have it.
-        best_exact = exact == exact.max(dim=-1, keepdim=True).values
-        return candidates.indices.masked_fill(~best_exact, self._weight.shape[0]).min(dim=-1).values.tolist()
+        winning = exact == row_best[rows]
+        lowest = ids.new_full((rows_count,), vocab).scatter_reduce(0, rows[winning], ids[winning], "amin")
+        return lowest.tolist()
 
 
 def _faster(fast: torch.Tensor, exact: torch.Tensor) -> bool:
