@@ -6,32 +6,15 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
-from tokenrelay import bench_serve
+from tokenrelay.topology import REPO, free_port
+from tokenrelay.topology import wait_ready as wait_gateway_ready
 
-REPO = Path(__file__).resolve().parent.parent
 TOKENRELAY = str(Path(sys.executable).parent / "tokenrelay")
-
-
-def free_port(pair: bool = False) -> int:
-    """A loopback port nobody listens on (and the one after it, with `pair`)."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if not pair:
-            return port
-        with socket.socket() as second:
-            try:
-                second.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 class Process:
@@ -79,7 +62,7 @@ def spawn_tokenrelay(args: list[str], log_path: Path, env: dict[str, str] | None
 def wait_ready(base_url: str, model: str, processes: list[Process], timeout_s: float = 180) -> None:
     """Until the gateway says a worker serves `model`; fails early, with the logs, if a process died."""
     try:
-        bench_serve.wait_ready(base_url, model, [p.popen for p in processes], timeout_s)
+        wait_gateway_ready(base_url, model, [p.popen for p in processes], timeout_s)
     except RuntimeError as error:
         tails = "\n\n".join(f"{p.log_path.name}:\n{p.log_tail()}" for p in processes)
         raise AssertionError(f"{error}\n{tails}") from None

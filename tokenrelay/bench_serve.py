@@ -22,10 +22,7 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -38,10 +35,9 @@ import httpx
 import websockets
 from transformers import AutoTokenizer
 
+from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 from workers.engine.model_runner import BUNDLED_MODEL
 
-REPO = Path(__file__).resolve().parent.parent
-BROKER = REPO / "deploy" / "kafka" / "broker.sh"
 ENDPOINTS = ("generate_stream", "infer", "ws")
 
 
@@ -187,77 +183,19 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
 # -- topologies started here
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_ready(base: str, model: str, processes: list[subprocess.Popen], timeout_s: float = 300) -> None:
-    """Return once the gateway at `base` says a worker serves `model`; RuntimeError if a process exits first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        exited = [p.args for p in processes if p.poll() is not None]
-        if exited:
-            raise RuntimeError(f"exited while starting: {exited}")
-        try:
-            if httpx.get(f"{base}/v2/models/{model}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{model} was not ready at {base} within {timeout_s} s")
-
-
-@contextmanager
-def _processes(commands: list[list[str]], logs: Path, port: int, model: str) -> Iterator[str]:
-    processes = []
-    try:
-        for index, command in enumerate(commands):
-            log = open(logs / f"{command[0]}-{index}.log", "w")
-            processes.append(
-                subprocess.Popen([sys.executable, "-m", "tokenrelay.cli", *command], stdout=log, stderr=log, cwd=REPO)
-            )
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(base, model, processes)
-        yield base
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-@contextmanager
-def _local_broker(logs: Path) -> Iterator[str]:
-    port = _free_port()
-    directory = logs / "kafka"
-    started = subprocess.run(
-        [str(BROKER), "start", "--port", str(port), "--dir", str(directory)], capture_output=True, text=True
-    )
-    if started.returncode != 0:
-        raise RuntimeError(f"the local Kafka broker did not start: {started.stderr[-2000:]}")
-    try:
-        yield started.stdout.strip()
-    finally:
-        subprocess.run([str(BROKER), "stop", "--dir", str(directory)], check=False)
-
-
 @contextmanager
 def topology(name: str, logs: Path, worker_args: list[str], kafka_bootstrap: str, model: str) -> Iterator[str]:
-    """A `tokenrelay serve`, or a gateway and a worker on Kafka; yields the gateway's base URL."""
-    port = _free_port()
+    """A `tokenrelay serve`, or a gateway and a worker on Kafka; yields the gateway's base URL once ready."""
+    port = free_port()
     names = ["--served-model-name", model]
     if name == "serve":
-        with _processes([["serve", "--port", str(port), *names, *worker_args]], logs, port, model) as base:
-            yield base
-        return
-    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", f"bench{uuid.uuid4().hex[:8]}"]
-    commands = [["worker", *kafka, *names, *worker_args], ["gateway", "--port", str(port), *kafka]]
-    with _processes(commands, logs, port, model) as base:
+        commands = [["serve", "--port", str(port), *names, *worker_args]]
+    else:
+        kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", f"bench{uuid.uuid4().hex[:8]}"]
+        commands = [["worker", *kafka, *names, *worker_args], ["gateway", "--port", str(port), *kafka]]
+    with tokenrelay_processes(commands, logs) as processes:
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, model, processes)
         yield base
 
 
@@ -353,5 +291,5 @@ def _bootstrap(args: argparse.Namespace, logs: Path) -> Iterator[str]:
     if "kafka" not in args.topology or args.kafka_bootstrap:
         yield args.kafka_bootstrap
         return
-    with _local_broker(logs) as bootstrap:
+    with local_broker(logs / "kafka") as bootstrap:
         yield bootstrap

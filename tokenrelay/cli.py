@@ -3,6 +3,8 @@
     tokenrelay serve     gateway + worker + in-process bus, one process, no broker
     tokenrelay gateway   an HTTP/WebSocket gateway on Kafka
     tokenrelay worker    a model worker on Kafka
+    tokenrelay up        gateways and workers on one Kafka, on this machine
+    tokenrelay bench     benchmarks (engine, serve)
 
 Every flag can also come from the environment: `--served-model-name` is
 `TOKENRELAY_SERVED_MODEL_NAME` (lists separated by commas). A flag given on
@@ -31,7 +33,7 @@ from bus.kafka import KafkaBus, KafkaSettings
 from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
-from tokenrelay import bench_serve, logs
+from tokenrelay import bench_serve, logs, topology
 from workers.engine import bench as bench_engine
 from workers.engine.engine import EngineConfig
 from workers.engine.model_runner import BUNDLED_MODEL, DTYPES, load_model
@@ -196,6 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="gateway and worker in one process, in-process bus")
     gateway = commands.add_parser("gateway", help="an HTTP/WebSocket gateway on Kafka")
     worker = commands.add_parser("worker", help="a model worker on Kafka")
+    up = commands.add_parser(
+        "up",
+        help="gateways and workers on one Kafka, on this machine, to try out",
+        description="Start --workers workers and --gateways gateways on one Kafka (a local broker from "
+        "deploy/kafka/ unless --kafka-bootstrap is given), the gateways on consecutive ports from --port "
+        "(1025, 1026, ...: no load balancer in front; point clients at any of them). Stops them all on "
+        "SIGINT/SIGTERM, or when one of them dies.",
+    )
+    _common_options(up)
+    _option(up, "--gateways", type=int, default=1, help="gateway processes")
+    _option(up, "--workers", type=int, default=2, help="worker processes")
+    _option(up, "--host", default="127.0.0.1", help="address the gateways listen on")
+    _option(up, "--port", type=int, default=1025, help="the first gateway's port; the others follow it")
+    _option(up, "--kafka-bootstrap", default="", help="Kafka bootstrap servers; empty: start a local broker")
+    _option(up, "--worker-args", default="", help="more flags for every worker, as one string")
+    _option(up, "--gateway-args", default="", help="more flags for every gateway, as one string")
+    _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
     bench = commands.add_parser(
         "bench", help="benchmarks: `tokenrelay bench engine --help`, `tokenrelay bench serve --help`", add_help=False
     )
@@ -322,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
         (bench_engine if args.benchmark == "engine" else bench_serve).main(args.options)
         return
     logs.configure(args.log_level, process=args.command)
+    if args.command == "up":
+        sys.exit(topology.up(args))
     if args.command == "serve":
         bus: Bus = InProcessBus()
         parts = (_http_server(args, bus), _worker(args, bus))

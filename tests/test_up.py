@@ -1,0 +1,61 @@
+"""`tokenrelay up`: several gateways and workers on one Kafka, from one command."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.processes import TOKENRELAY, free_port
+from tokenrelay.topology import wait_ready
+
+pytestmark = pytest.mark.kafka
+
+
+def _started_workers(logs) -> set[str]:
+    lines = [line for log in logs.glob("worker-*.log") for line in log.read_text().splitlines()]
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    return {e["worker_id"] for e in events if e.get("event") == "worker_started"}
+
+
+def test_up_starts_gateways_on_consecutive_ports_sharing_the_workers_and_stops_them_all(kafka_bootstrap, tmp_path):
+    port = free_port(pair=True)
+    logs = tmp_path / "logs"
+    command = [
+        TOKENRELAY,
+        *("up", "--gateways", "2", "--workers", "2", "--port", str(port), "--log-dir", str(logs)),
+        *("--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", f"up{uuid.uuid4().hex[:8]}"),
+    ]
+    with open(tmp_path / "up.log", "w") as output:
+        up = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        gateways = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+        for gateway in gateways:
+            wait_ready(gateway, "tokenrelay-tiny", [up], timeout_s=240)
+        body = {"text_input": "The following example", "parameters": {"max_new_tokens": 6}}
+        answers = [
+            httpx.post(f"{gateway}/v2/models/tokenrelay-tiny/generate", json=body, timeout=60) for gateway in gateways
+        ]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert answers[0].json()["text_output"] == answers[1].json()["text_output"]  # greedy, whichever worker ran it
+        assert sorted(p.name for p in logs.iterdir()) == [
+            "gateway-2.log",
+            "gateway-3.log",
+            "worker-0.log",
+            "worker-1.log",
+        ]
+        deadline = time.monotonic() + 120  # the gateways were ready with the first worker; the other may still load
+        while _started_workers(logs) != {"worker-0", "worker-1"}:
+            assert time.monotonic() < deadline, _started_workers(logs)
+            time.sleep(0.5)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(90) == 0, (tmp_path / "up.log").read_text()[-3000:]
+    for gateway in gateways:
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{gateway}/health", timeout=2)

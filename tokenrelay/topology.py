@@ -1,0 +1,132 @@
+"""Topologies on one machine: a local Kafka broker and `tokenrelay` processes, started and stopped together.
+
+`tokenrelay up` starts gateways and workers on one Kafka to try them out;
+`tokenrelay bench serve --topology` uses the same pieces for each topology
+it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import structlog
+
+log = structlog.get_logger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+BROKER = REPO / "deploy" / "kafka" / "broker.sh"
+
+
+def free_port(pair: bool = False) -> int:
+    """A loopback port nobody listens on (and the one after it too, with `pair`)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if not pair:
+            return port
+        with socket.socket() as second:
+            try:
+                second.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def wait_ready(base: str, model: str | None, processes: list[subprocess.Popen], timeout_s: float = 300) -> None:
+    """Return once the gateway at `base` says a worker serves `model` (None: any model).
+
+    RuntimeError if one of `processes` exits first, or after `timeout_s`.
+    """
+    path = f"/v2/models/{model}/ready" if model else "/v2/health/ready"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        exited = [p.args for p in processes if p.poll() is not None]
+        if exited:
+            raise RuntimeError(f"exited while starting: {exited}")
+        try:
+            if httpx.get(base + path, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{base}{path} did not answer 200 within {timeout_s} s")
+
+
+@contextmanager
+def tokenrelay_processes(commands: list[list[str]], logs: Path) -> Iterator[list[subprocess.Popen]]:
+    """`tokenrelay COMMAND...` for each command, logging to `logs`; terminated (SIGTERM, then kill) on exit."""
+    processes: list[subprocess.Popen] = []
+    try:
+        for index, command in enumerate(commands):
+            log = open(logs / f"{command[0]}-{index}.log", "w")
+            processes.append(
+                subprocess.Popen([sys.executable, "-m", "tokenrelay.cli", *command], stdout=log, stderr=log, cwd=REPO)
+            )
+        yield processes
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@contextmanager
+def local_broker(directory: Path) -> Iterator[str]:
+    """A Kafka broker from deploy/kafka/ on a free loopback port, its data in `directory`; yields its address."""
+    port = free_port(pair=True)  # the broker's, and its controller's after it
+    started = subprocess.run(
+        [str(BROKER), "start", "--port", str(port), "--dir", str(directory)], capture_output=True, text=True
+    )
+    if started.returncode != 0:
+        raise RuntimeError(f"the local Kafka broker did not start: {started.stderr[-2000:]}")
+    try:
+        yield started.stdout.strip()
+    finally:
+        subprocess.run([str(BROKER), "stop", "--dir", str(directory)], check=False)
+
+
+def up(args: argparse.Namespace) -> int:
+    """`tokenrelay up`: run the topology until SIGINT/SIGTERM (0) or until one of its processes dies (1)."""
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    with tempfile.TemporaryDirectory(prefix="tokenrelay-up-") as scratch, ExitStack() as stack:
+        logs = Path(args.log_dir or scratch)
+        logs.mkdir(parents=True, exist_ok=True)
+        bootstrap = args.kafka_bootstrap or stack.enter_context(local_broker(Path(scratch) / "kafka"))
+        kafka = ["--kafka-bootstrap", bootstrap, "--topic-prefix", args.topic_prefix]
+        urls = [f"http://{args.host}:{args.port + i}" for i in range(args.gateways)]
+        names = [f"worker-{i}" for i in range(args.workers)] + [f"gateway-{i}" for i in range(args.gateways)]
+        worker_args, gateway_args = shlex.split(args.worker_args), shlex.split(args.gateway_args)
+        commands = [["worker", *kafka, "--worker-id", name, *worker_args] for name in names[: args.workers]]
+        commands += [
+            ["gateway", *kafka, "--host", args.host, "--port", str(args.port + i), "--gateway-id", name, *gateway_args]
+            for i, name in enumerate(names[args.workers :])
+        ]
+        processes = stack.enter_context(tokenrelay_processes(commands, logs))
+        for url in urls:
+            wait_ready(url.replace("0.0.0.0", "127.0.0.1"), None, processes)
+        log.info("topology_up", gateways=urls, workers=args.workers, kafka=bootstrap, logs=str(logs))
+        while not stopping.wait(0.5):
+            died = [name for name, process in zip(names, processes, strict=True) if process.poll() is not None]
+            if died:
+                log.error("topology_process_died", processes=died, logs=str(logs))
+                return 1
+        log.info("topology_stopping")
+    return 0
