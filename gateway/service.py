@@ -20,7 +20,15 @@ from bus.topics import control_topic, reply_topic, request_topic
 from gateway.directory import WorkerDirectory
 from gateway.errors import ApiError, not_found, unavailable
 from gateway.inflight import InFlight, InFlightRegistry
-from schemas.messages import CancelRequest, GenerationRequest, SamplingParams, ServedModel, TokenEvents, WorkerHeartbeat
+from schemas.messages import (
+    CancelRequest,
+    GatewayHeartbeat,
+    GenerationRequest,
+    SamplingParams,
+    ServedModel,
+    TokenEvents,
+    WorkerHeartbeat,
+)
 from tokenrelay.metrics import metrics_of, record_backlog
 
 log = structlog.get_logger(__name__)
@@ -30,6 +38,7 @@ SERVICE_UNAVAILABLE = "Service Unavailable"
 CLIENT_GONE = "client gone"
 RETRY_AFTER_S = 1  # in-flight requests end every few tens of milliseconds under load
 BACKLOG_INTERVAL_S = 5.0
+HEARTBEAT_INTERVAL_S = 1.0
 
 # Replay this much of the control topic at start, so that a new gateway knows
 # the running workers at once instead of after their next heartbeat.
@@ -70,11 +79,16 @@ class GatewayService:
             asyncio.create_task(self._route_replies(replies), name="route-replies"),
             asyncio.create_task(self._watch_control(control), name="watch-control"),
             asyncio.create_task(self._measure_backlogs(), name="measure-backlogs"),
+            asyncio.create_task(self._send_heartbeats(), name="heartbeats"),
         ]
         log.info("gateway_started", gateway_id=self.gateway_id, reply_topic=self._reply_topic)
 
     async def stop(self) -> None:
         await asyncio.gather(*self._cancelling, return_exceptions=True)
+        try:
+            await self._bus.publish(self._control_topic, self._heartbeat(leaving=True))
+        except (BusUnavailable, UnknownTopic) as error:
+            log.warning("leaving_not_announced", error=str(error))
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -94,6 +108,20 @@ class GatewayService:
         async for message in control:
             if isinstance(message, WorkerHeartbeat):
                 self.directory.observe(message)
+
+    def _heartbeat(self, leaving: bool = False) -> GatewayHeartbeat:
+        return GatewayHeartbeat(
+            gateway_id=self.gateway_id, reply_to=self._reply_topic, interval_s=HEARTBEAT_INTERVAL_S, leaving=leaving
+        )
+
+    async def _send_heartbeats(self) -> None:
+        """Tell workers this gateway still waits for its requests' tokens."""
+        while True:
+            try:
+                await self._bus.publish(self._control_topic, self._heartbeat())
+            except (BusUnavailable, UnknownTopic) as error:
+                log.warning("heartbeat_not_published", error=str(error))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _measure_backlogs(self) -> None:
         """The workers' consumer lag on each served model's priority topics, as a gauge."""

@@ -150,8 +150,18 @@ class WorkerHeartbeat(_Message):
     leaving: bool = False  # the worker is shutting down: forget it now
 
 
+class GatewayHeartbeat(_Message):
+    """A gateway's periodic announcement on the control topic: workers drop the requests of a silent one."""
+
+    kind: Literal["gateway_heartbeat"] = "gateway_heartbeat"
+    gateway_id: str
+    reply_to: str  # its reply topic, as its requests name it
+    interval_s: float  # how often to expect the next one
+    leaving: bool = False  # the gateway is shutting down: nobody waits for its requests any more
+
+
 BusMessage = Annotated[
-    GenerationRequest | TokenEvents | CancelRequest | WorkerHeartbeat,
+    GenerationRequest | TokenEvents | CancelRequest | WorkerHeartbeat | GatewayHeartbeat,
     Field(discriminator="kind"),
 ]
 _bus_message = TypeAdapter(BusMessage)

@@ -12,12 +12,13 @@ import asyncio
 import json
 import statistics
 import time
+import uuid
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import Process, free_port, on_kafka
+from tests.processes import Process, free_port, on_kafka, spawn_tokenrelay, wait_ready
 
 pytestmark = pytest.mark.kafka
 
@@ -185,3 +186,30 @@ async def test_past_its_in_flight_limit_a_gateway_answers_429_with_retry_after(k
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error_type"] == "Too Many Requests" and "--max-in-flight" in refused.json()["error"]
     assert accepted.status_code == 200
+
+
+async def test_a_gateway_that_dies_mid_stream_frees_the_workers_slots_within_10_s(kafka_bootstrap, tmp_path):
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", f"t{uuid.uuid4().hex[:10]}"]
+    port = free_port()
+    worker = spawn_tokenrelay(["worker", *kafka], tmp_path / "worker.log")
+    gateway = spawn_tokenrelay(["gateway", "--port", str(port), *kafka], tmp_path / "gateway.log")
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, MODEL, [worker, gateway])
+        url = f"{base_url}/v2/models/{MODEL}/generate_stream"
+        async with _client() as client:
+            streams = [_Stream() for _ in range(8)]  # 8 x 500 tokens: longer than the 10 s allowed
+            running = [asyncio.create_task(s.run(client, url, _body(500))) for s in streams]
+            while not all(s.event_times for s in streams):
+                await asyncio.sleep(0.05)
+            gateway.popen.kill()  # no goodbye: its heartbeats just stop
+            killed_at = time.monotonic()
+            await asyncio.gather(*running, return_exceptions=True)
+            await _wait_for(lambda: len(worker.events_named("request_finished")) == 8, 10, "the slots to be freed")
+        assert time.monotonic() - killed_at < 10
+        finished = worker.events_named("request_finished")
+        assert all(f["finish_reason"] == "stop_sequence" and f["generated_tokens"] < 500 for f in finished)
+        assert {c["reason"] for c in worker.events_named("request_cancel_received")} == {"gateway gone"}
+    finally:
+        gateway.stop()
+        assert worker.stop() == 0, worker.log_tail()

@@ -5,8 +5,9 @@ or the slot of a running request of a lower priority, which the engine then
 preempts. Expired and cancelled requests are dropped when they are taken; each
 request is acknowledged once its last event is published. Every engine
 step's events leave as one message per gateway. Heartbeats on the control
-topic tell gateways that it lives and what it serves; cancellations arrive
-there too.
+topic tell gateways that it lives and what it serves; cancellations and the
+gateways' heartbeats arrive there too: the requests of a gateway that left
+or went silent are cancelled, or skipped when taken.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from schemas.messages import (
     CancelRequest,
     ErrorInfo,
     FinishReason,
+    GatewayHeartbeat,
     ServedModel,
     TokenEvent,
     TokenEvents,
@@ -42,6 +44,9 @@ TOKENS_AFTER_CANCEL = Counter(
     ["model"],
 )
 _BACKLOG_INTERVAL_S = 5.0
+# A gateway silent this long (three heartbeats) is gone; its requests are cancelled.
+_GATEWAY_SILENCE_S = 3.0
+_FORGET_GONE_GATEWAY_S = 3600.0  # the longest timeout a request may have
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class Worker:
         self._control_topic = control_topic(settings.topic_prefix)
         self._active: dict[str, _Taken] = {}  # request id -> the request running here
         self._cancelled: dict[str, float] = {}  # cancelled before it was taken: request id -> its deadline
+        # Reply topic of each gateway with requests here -> when it counts as gone unless it is heard from.
+        self._gateways_due: dict[str, float] = {}
         self._drops: list[tuple[Delivery, ErrorInfo | None]] = []  # taken only to be dropped, and why
         self._steps: asyncio.Queue[list[TokenEvent]] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -172,11 +179,16 @@ class Worker:
         elif request.request_id in self._cancelled:
             log.info("request_skipped", request_id=request.request_id, reason="cancelled while queued")
             self._drops.append((delivery, None))
+        elif self._gateway_gone(request.reply_to, time.monotonic()):
+            log.info("request_skipped", request_id=request.request_id, reason="its gateway is gone")
+            self._drops.append((delivery, None))
         elif time.time() > request.deadline:
             log.info("request_skipped", request_id=request.request_id, reason="expired while queued")
             message = f"request {request.request_id} expired in the queue"
             self._drops.append((delivery, ErrorInfo(message=message, error_type="Timeout", status=504)))
         elif self._has_room(request.priority):
+            # A gateway not heard from yet gets a few of its heartbeats' time to show it is there.
+            self._gateways_due.setdefault(request.reply_to, time.monotonic() + _GATEWAY_SILENCE_S)
             self._active[request.request_id] = _Taken(delivery, RequestTimer(self._metrics, request))
             self._engine.submit(request, time.monotonic())
             log.info(
@@ -237,16 +249,39 @@ class Worker:
 
     async def _follow_control(self, control: Listener) -> None:
         async for message in control:
-            if not isinstance(message, CancelRequest):
-                continue
-            taken = self._active.get(message.request_id)
-            if taken is not None and not taken.cancelled:
-                taken.cancelled = True
-                self._engine.cancel(message.request_id)
-                self._metrics.cancellations.labels(self.model.name, message.reason).inc()
-                log.info("request_cancel_received", request_id=message.request_id, reason=message.reason)
-            elif taken is None and message.deadline > time.time():
-                self._cancelled[message.request_id] = message.deadline  # skipped if it is taken later
+            if isinstance(message, GatewayHeartbeat):
+                silence = 0.0 if message.leaving else _GATEWAY_SILENCE_S
+                self._gateways_due[message.reply_to] = time.monotonic() + silence
+            elif isinstance(message, CancelRequest):
+                taken = self._active.get(message.request_id)
+                if taken is not None:
+                    self._cancel(taken, message.reason)
+                elif message.deadline > time.time():
+                    self._cancelled[message.request_id] = message.deadline  # skipped if it is taken later
+
+    def _cancel(self, taken: _Taken, reason: str) -> None:
+        if taken.cancelled:
+            return
+        taken.cancelled = True
+        request_id = taken.delivery.request.request_id
+        self._engine.cancel(request_id)
+        self._metrics.cancellations.labels(self.model.name, reason).inc()
+        log.info("request_cancel_received", request_id=request_id, reason=reason)
+
+    def _gateway_gone(self, reply_to: str, now: float) -> bool:
+        due = self._gateways_due.get(reply_to)
+        return due is not None and now > due
+
+    def _drop_orphans(self) -> None:
+        """Stop generating for gateways that left or went silent: nobody reads those tokens."""
+        now = time.monotonic()
+        for taken in list(self._active.values()):
+            if self._gateway_gone(taken.delivery.request.reply_to, now):
+                self._cancel(taken, "gateway gone")
+        # Remember a gone gateway as long as its requests may still wait in a topic, to skip them.
+        self._gateways_due = {
+            topic: due for topic, due in self._gateways_due.items() if due > now - _FORGET_GONE_GATEWAY_S
+        }
 
     def _heartbeat(self, leaving: bool = False) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -266,6 +301,7 @@ class Worker:
                 log.warning("heartbeat_not_published", error=str(error))
             now = time.time()  # a cancel outlives its request's deadline in no one's interest
             self._cancelled = {r: deadline for r, deadline in self._cancelled.items() if deadline > now}
+            self._drop_orphans()
             await asyncio.sleep(self._settings.heartbeat_interval_s)
 
     async def _measure_backlog(self) -> None:
