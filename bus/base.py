@@ -20,7 +20,11 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from schemas.messages import BusMessage, GenerationRequest
+
+log = structlog.get_logger(__name__)
 
 
 class BusUnavailable(Exception):
@@ -89,6 +93,16 @@ def offer(waiting: list[Delivery], accept: Accept, aging_s: float) -> list[Deliv
 
 
 class Bus(ABC):
+    async def publish_or_log(self, topic: str, message: BusMessage, event: str) -> bool:
+        """Publish a message whose loss the protocol tolerates (a heartbeat, a goodbye, events nobody
+        may read); if the bus refuses it, log `event` and return False instead of raising."""
+        try:
+            await self.publish(topic, message)
+        except (BusUnavailable, UnknownTopic) as error:
+            log.warning(event, topic=topic, error=str(error))
+            return False
+        return True
+
     @abstractmethod
     async def start(self) -> None: ...
 

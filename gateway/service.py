@@ -85,10 +85,7 @@ class GatewayService:
 
     async def stop(self) -> None:
         await asyncio.gather(*self._cancelling, return_exceptions=True)
-        try:
-            await self._bus.publish(self._control_topic, self._heartbeat(leaving=True))
-        except (BusUnavailable, UnknownTopic) as error:
-            log.warning("leaving_not_announced", error=str(error))
+        await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -117,10 +114,7 @@ class GatewayService:
     async def _send_heartbeats(self) -> None:
         """Tell workers this gateway still waits for its requests' tokens."""
         while True:
-            try:
-                await self._bus.publish(self._control_topic, self._heartbeat())
-            except (BusUnavailable, UnknownTopic) as error:
-                log.warning("heartbeat_not_published", error=str(error))
+            await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published")
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _measure_backlogs(self) -> None:

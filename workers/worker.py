@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import Counter
 
-from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, UnknownTopic
+from bus.base import Bus, Delivery, Listener, RequestQueue
 from bus.topics import control_topic, request_topics, worker_group
 from schemas.messages import (
     CancelRequest,
@@ -135,10 +135,7 @@ class Worker:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stop(self) -> None:
-        try:
-            await self._bus.publish(self._control_topic, self._heartbeat(leaving=True))
-        except (BusUnavailable, UnknownTopic) as error:
-            log.warning("leaving_not_announced", error=str(error))
+        await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
         self._engine.stop()
         if self._queue is not None:
             await self._queue.close()
@@ -238,12 +235,10 @@ class Worker:
                         )
 
     async def _publish(self, topic: str, events: list[TokenEvent]) -> None:
-        try:
-            await self._bus.publish(topic, TokenEvents(worker_id=self._settings.worker_id, events=events))
-        except (BusUnavailable, UnknownTopic) as error:
-            # The gateway is gone or unreachable; its clients get their error
-            # from the gateway's own deadline, so there is no one to tell here.
-            log.warning("events_not_published", topic=topic, error=str(error))
+        # If the gateway is gone or unreachable, its clients get their error from
+        # the gateway's own deadline: there is no one to tell here.
+        batch = TokenEvents(worker_id=self._settings.worker_id, events=events)
+        await self._bus.publish_or_log(topic, batch, "events_not_published")
 
     # -- control topic, heartbeats, backlog
 
@@ -295,10 +290,7 @@ class Worker:
 
     async def _send_heartbeats(self) -> None:
         while True:
-            try:
-                await self._bus.publish(self._control_topic, self._heartbeat())
-            except (BusUnavailable, UnknownTopic) as error:
-                log.warning("heartbeat_not_published", error=str(error))
+            await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published")
             now = time.time()  # a cancel outlives its request's deadline in no one's interest
             self._cancelled = {r: deadline for r, deadline in self._cancelled.items() if deadline > now}
             self._drop_orphans()
