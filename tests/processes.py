@@ -11,6 +11,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tokenrelay.topology import REPO, free_port
 from tokenrelay.topology import wait_ready as wait_gateway_ready
 
@@ -112,3 +114,12 @@ def on_kafka(
     finally:
         for process in (gateway, worker):
             assert process.stop() == 0, process.log_tail()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """A sample's value in Prometheus's text format (0 if absent), whatever the order of its labels."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0

@@ -12,9 +12,8 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import serving
+from tests.processes import metric, serving
 from tests.spec_examples import (
     GENERATE_STREAM,
     GENERATE_STREAM_MODEL,
@@ -205,15 +204,6 @@ def test_full_text_enabled_streams_the_text_so_far(tmp_path):
         assert tokens[-1]["generated_text"].startswith(pieces[-1])
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    """A sample's value in Prometheus's text format (0 if absent), whatever the order of its labels."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return sample.value
-    return 0.0
-
-
 def test_metrics_count_requests_tokens_and_latencies_on_gateway_and_worker(server):
     before = httpx.get(server.url("/metrics"))
     assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
@@ -222,7 +212,7 @@ def test_metrics_count_requests_tokens_and_latencies_on_gateway_and_worker(serve
     after = httpx.get(server.url("/metrics")).text
 
     def added(name: str, **labels: str) -> float:
-        return _metric(after, name, **labels) - _metric(before.text, name, **labels)
+        return metric(after, name, **labels) - metric(before.text, name, **labels)
 
     model = "tokenrelay-tiny"  # aliases count under the canonical name
     for component in ("gateway", "worker"):  # `serve` is both, in one registry
@@ -236,5 +226,5 @@ def test_metrics_count_requests_tokens_and_latencies_on_gateway_and_worker(serve
             ("e2e_request_latency_seconds", 1),
         ]:
             assert added(f"{family}_{histogram}_count", model=model, priority="5") == observations, histogram
-        assert _metric(after, f"{family}_requests_running", model=model) == 0
-        assert _metric(after, f"{family}_requests_waiting", model=model) == 0
+        assert metric(after, f"{family}_requests_running", model=model) == 0
+        assert metric(after, f"{family}_requests_waiting", model=model) == 0

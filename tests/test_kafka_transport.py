@@ -16,9 +16,8 @@ import uuid
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import Process, free_port, on_kafka, spawn_tokenrelay, wait_ready
+from tests.processes import Process, free_port, metric, on_kafka, spawn_tokenrelay, wait_ready
 
 pytestmark = pytest.mark.kafka
 
@@ -63,12 +62,7 @@ def _client() -> httpx.AsyncClient:
 
 
 def _metric(base_url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return sample.value
-    return 0.0
+    return metric(httpx.get(f"{base_url}/metrics", timeout=10).text, name, **labels)
 
 
 async def _wait_for(condition, timeout_s: float, what: str) -> None:
