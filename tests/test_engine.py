@@ -55,7 +55,9 @@ class Harness:
             return self.seen.pop(0)
         return self.events.get(timeout=max(0.0, deadline - time.monotonic()))
 
-    def submit(self, prompt, max_new_tokens: int = 16, timeout_s: float = 120, priority: int = 5, **sampling) -> str:
+    def submit(
+        self, prompt, max_new_tokens: int = 16, timeout_s: float = 120, priority: int = 5, generated=(), **sampling
+    ) -> str:
         request_id = uuid.uuid4().hex
         now = time.time()
         self.engine.submit(
@@ -66,6 +68,7 @@ class Harness:
                 prompt_token_ids=prompt if isinstance(prompt, list) else None,
                 sampling=SamplingParams(seed=sampling.pop("seed", 1), max_new_tokens=max_new_tokens, **sampling),
                 priority=priority,
+                generated_token_ids=list(generated),
                 arrival=now,
                 deadline=now + timeout_s,
                 reply_to="replies",
@@ -210,6 +213,23 @@ def test_a_seeded_request_draws_the_same_tokens_alone_in_a_batch_after_preemptio
         assert _tokens(elsewhere.collect([rid := elsewhere.submit(prompt, 40, **sampling)])[rid]) == reference_tokens
     finally:
         elsewhere.close()
+
+
+def test_a_failover_continues_from_the_delivered_tokens_with_the_same_tokens_and_text(loaded, harness):
+    sampling = dict(do_sample=True, temperature=1.3, top_k=50, seed=77)
+    prompt = "Unicode: \u00e9t\u00e9, \u65e5\u672c\u8a9e, "
+    reference_events = harness.collect([rid := harness.submit(prompt, 40, ignore_eos=True, **sampling)])[rid]
+    reference_tokens = _tokens(reference_events)
+    for delivered in (1, 17, 39):
+        rid = harness.submit(prompt, 40, generated=reference_tokens[:delivered], ignore_eos=True, **sampling)
+        resumed = harness.collect([rid])[rid]
+        assert resumed[0].index == delivered and resumed[0].prefill_time_ms is None
+        assert _tokens(resumed) == reference_tokens[delivered:], delivered
+        text_before = "".join(e.text for e in reference_events[:delivered])
+        assert text_before + "".join(e.text for e in resumed) == "".join(e.text for e in reference_events)
+    # Every token was delivered but the last event was lost: the failover only ends the request.
+    [done] = harness.collect([rid := harness.submit(prompt, 40, generated=reference_tokens, **sampling)])[rid]
+    assert done.token_ids == [] and done.index == 40 and done.finish_reason == FinishReason.LENGTH
 
 
 def test_cancel_ends_the_request_within_a_step(harness):

@@ -140,6 +140,9 @@ class Engine:
             sequence = self._admit(command.request, command.received_at)
         except _Rejected as rejected:
             return [rejected.event]
+        if sequence.generated and self._out_of_room(sequence, len(sequence.generated)):
+            # A failover of a request whose last event was lost: nothing is left to generate.
+            return [sequence.stop(FinishReason.LENGTH)]
         self._sequences[sequence.request_id] = sequence
         self._scheduler.add(sequence)
         return []
@@ -164,12 +167,16 @@ class Engine:
         budget = min(request.sampling.max_new_tokens, self._config.max_iter_times) - request.tokens_before
         if budget < 1:
             raise _Rejected(request, f"no token is left to generate after the {request.tokens_before} generated before")
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        for token in request.generated_token_ids:  # the text goes on exactly where the client's stopped
+            detokenizer.add(token)
         return Sequence(
             request=request,
             prompt_ids=prompt_ids,
             max_new_tokens=budget,
-            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
+            detokenizer=detokenizer,
             received_at=received_at,
+            generated=list(request.generated_token_ids),
         )
 
     def _end(self, sequence: Sequence, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
@@ -213,10 +220,11 @@ class Engine:
     def _finish_reason(self, sequence: Sequence, token: int) -> FinishReason | None:
         if token in self._loaded.eos_token_ids and not sequence.request.sampling.ignore_eos:
             return FinishReason.EOS_TOKEN
-        generated = len(sequence.generated) + 1
-        if generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self._config.max_seq_len:
-            return FinishReason.LENGTH
-        return None
+        return FinishReason.LENGTH if self._out_of_room(sequence, len(sequence.generated) + 1) else None
+
+    def _out_of_room(self, sequence: Sequence, generated: int) -> bool:
+        """Whether a sequence with `generated` tokens has reached max_new_tokens or max_seq_len."""
+        return generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self._config.max_seq_len
 
 
 def _draw(chunk: Chunk) -> Draw:

@@ -73,9 +73,9 @@ class Sequence:
         token and this step.
         """
         now = time.monotonic()
-        first = not self.generated
-        # A recomputed request's first new token is not the request's first token.
-        first_of_request = first and self.request.tokens_before == 0
+        first = self.last_token_at is None  # of this attempt, on this worker
+        # A recomputed or failed-over request's first new token is not the request's first token.
+        first_of_request = self.next_index == 0
         waited = ((self.admitted_at or started_at) - self.received_at) if first else started_at - self.last_token_at
         since_previous = now - (self.received_at if first else self.last_token_at)
         self.generated.append(token_id)
