@@ -52,6 +52,10 @@ class Listener(ABC):
     @abstractmethod
     async def close(self) -> None: ...
 
+    @abstractmethod
+    async def rebuild(self) -> None:
+        """Replace a consumer that stopped delivering with a new one that goes on where it stopped."""
+
 
 # Whether the caller starts a request now (or drops it at once: expired, cancelled).
 Accept = Callable[[Delivery], bool]

@@ -41,6 +41,9 @@ class _InProcessListener(Listener):
     async def close(self) -> None:
         self._topic.listeners.discard(self._queue)
 
+    async def rebuild(self) -> None:
+        """Nothing to rebuild: an in-process listener cannot get stuck."""
+
 
 class _InProcessRequestQueue(RequestQueue):
     def __init__(self, aging_s: float) -> None:

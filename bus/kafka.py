@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import CommitFailedError, KafkaError, UnknownTopicOrPartitionError
+from aiokafka.errors import CommitFailedError, ConsumerStoppedError, KafkaError, UnknownTopicOrPartitionError
 from aiokafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 
@@ -44,7 +44,7 @@ class KafkaSettings:
     # Group membership of workers. The model runs off the event loop, so
     # heartbeats flow during long steps; these only bound how fast a dead
     # worker is noticed.
-    session_timeout_ms: int = 10_000
+    session_timeout_ms: int = 6_000
     heartbeat_interval_ms: int = 1_000
     max_poll_interval_ms: int = 60_000
     # Past this a message is given up (and not sent later): a gateway answers 503 at once.
@@ -60,17 +60,36 @@ def _decode(record) -> BusMessage | None:
 
 
 class _KafkaListener(Listener):
-    def __init__(self, consumer: AIOKafkaConsumer) -> None:
+    def __init__(self, consumer: AIOKafkaConsumer, reopen: Callable[[], Awaitable[AIOKafkaConsumer]]) -> None:
         self._consumer = consumer
+        self._reopen = reopen  # a new consumer, assigned the same partitions
+        self._next: dict[TopicPartition, int] = {}  # per partition: the offset after the last message handed out
 
     async def __aiter__(self) -> AsyncIterator[BusMessage]:
         while True:
-            batches = await self._consumer.getmany(timeout_ms=1000)
-            for records in batches.values():
+            consumer = self._consumer
+            try:
+                batches = await consumer.getmany(timeout_ms=1000)
+            except ConsumerStoppedError:
+                if consumer is self._consumer:
+                    raise
+                continue  # rebuilt meanwhile
+            if consumer is not self._consumer:
+                continue  # rebuilt meanwhile: the new consumer reads these again
+            for partition, records in batches.items():
                 for record in records:
+                    self._next[partition] = record.offset + 1
                     message = _decode(record)
                     if message is not None:
                         yield message
+
+    async def rebuild(self) -> None:
+        consumer = await self._reopen()
+        for partition, offset in self._next.items():
+            consumer.seek(partition, offset)
+        old, self._consumer = self._consumer, consumer
+        await old.stop()
+        log.info("listener_rebuilt", partitions=len(consumer.assignment()))
 
     async def close(self) -> None:
         await self._consumer.stop()
@@ -252,13 +271,9 @@ class KafkaBus(Bus):
         )
 
     async def listen(self, topic: str, replay_s: float = 0.0) -> Listener:
-        consumer = self._consumer(
-            group_id=None, auto_offset_reset="latest", fetch_max_wait_ms=self._settings.listen_fetch_max_wait_ms
-        )
-        await consumer.start()
+        consumer = await self._listening_consumer(topic)
         try:
-            partitions = await self._partitions(topic)
-            consumer.assign(partitions)
+            partitions = list(consumer.assignment())
             await consumer.seek_to_end(*partitions)
             if replay_s > 0:
                 since_ms = int((time.time() - replay_s) * 1000)
@@ -271,7 +286,20 @@ class KafkaBus(Bus):
         except BaseException:
             await consumer.stop()
             raise
-        return _KafkaListener(consumer)
+        return _KafkaListener(consumer, lambda: self._listening_consumer(topic))
+
+    async def _listening_consumer(self, topic: str) -> AIOKafkaConsumer:
+        """A started consumer of no group, assigned every partition of `topic`."""
+        consumer = self._consumer(
+            group_id=None, auto_offset_reset="latest", fetch_max_wait_ms=self._settings.listen_fetch_max_wait_ms
+        )
+        await consumer.start()
+        try:
+            consumer.assign(await self._partitions(topic))
+        except BaseException:
+            await consumer.stop()
+            raise
+        return consumer
 
     async def _partitions(self, topic: str) -> list[TopicPartition]:
         assert self._admin is not None

@@ -1,8 +1,11 @@
 """The requests a gateway waits for, and the demultiplexing of its reply topic.
 
 Every worker sends a gateway's events to that gateway's one reply topic; the
-registry hands each event to the request it belongs to. Events of another
-attempt of a request (one that was re-published after a failure) are dropped.
+registry hands each event to the request it belongs to, in token order: an
+event of another attempt (a request re-published after a failure), or one
+already delivered, is dropped; one that skips tokens (some were lost) breaks
+the request, which then fails over. The registry also follows which worker
+runs each request, from its events and from the workers' heartbeats.
 """
 
 from __future__ import annotations
@@ -10,13 +13,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenEvents
+from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenEvents, WorkerHeartbeat
 from tokenrelay.metrics import RequestTimer, metrics_of
 
 # How long past its deadline a request waits for the worker's own timeout
 # event before the gateway ends it itself (it may still wait in a topic).
 DEADLINE_GRACE_S = 0.1
+# Heartbeats in a row of its live worker that do not list a request: it was
+# lost there (its last events went missing). One is not enough: a heartbeat
+# may overtake the request's last event, which travels on another topic.
+UNLISTED_HEARTBEATS = 2
 
 
 class InFlight:
@@ -26,10 +34,30 @@ class InFlight:
         self.finished = False  # its last event was handed out
         self.worker_ended = False  # a worker said it is done with it (else it may still run)
         self.timer = RequestTimer(metrics_of("gateway"), request)
+        self.received: list[int] = []  # tokens delivered, every attempt's: a failover goes on after them
+        self.worker_id: str | None = None  # the worker running the current attempt, once known
+        self.unlisted = 0  # heartbeats in a row of that worker that did not list it
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
-    def deliver(self, event: TokenEvent) -> None:
+    def deliver(self, event: TokenEvent, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.unlisted = 0
+        self.received.extend(event.token_ids)
         self._events.put_nowait(event)
+
+    @property
+    def next_index(self) -> int:
+        """The request-wide index of the next token the client expects."""
+        return self.request.tokens_before + len(self.received)
+
+    def attempt_again(self) -> GenerationRequest:
+        """Make the current attempt stale and return the next one, which goes on from the delivered tokens."""
+        self.request = self.request.model_copy(
+            update={"attempt": self.request.attempt + 1, "generated_token_ids": list(self.received)}
+        )
+        self.worker_id = None
+        self.unlisted = 0
+        return self.request
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """The request's events up to and including its last; never waits past the deadline."""
@@ -45,6 +73,19 @@ class InFlight:
             self.timer.event(event, time.time())
             yield event
 
+    def fail(self, message: str) -> None:
+        """End the request with an error event of the gateway's own (no worker will answer it)."""
+        error = ErrorInfo(message=message, error_type="Incomplete Generation", status=500)
+        self._events.put_nowait(
+            TokenEvent(
+                request_id=self.request.request_id,
+                attempt=self.request.attempt,
+                index=self.next_index,
+                finish_reason=FinishReason.INVALID_FLAG,
+                error=error,
+            )
+        )
+
     def _expired(self) -> TokenEvent:
         return TokenEvent(
             request_id=self.request.request_id,
@@ -55,6 +96,14 @@ class InFlight:
                 message=f"request {self.request.request_id} exceeded its timeout", error_type="Timeout", status=504
             ),
         )
+
+
+@dataclass
+class Routed:
+    """What became of one message of events."""
+
+    unwanted: list[TokenEvent] = field(default_factory=list)  # nobody waits for them: stop their generation
+    broken: list[InFlight] = field(default_factory=list)  # tokens went missing: fail over
 
 
 class InFlightRegistry:
@@ -70,14 +119,40 @@ class InFlightRegistry:
         """The requests for `model` that the client calls `client_id`."""
         return [f for f in self._requests.values() if f.client_id == client_id and f.request.model == model]
 
+    def get(self, request_id: str) -> InFlight | None:
+        return self._requests.get(request_id)
+
     def close(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
     def __len__(self) -> int:
         return len(self._requests)
 
-    def deliver(self, batch: TokenEvents) -> None:
+    def __iter__(self):
+        return iter(list(self._requests.values()))
+
+    def deliver(self, batch: TokenEvents) -> Routed:
+        routed = Routed()
         for event in batch.events:
             inflight = self._requests.get(event.request_id)
-            if inflight is not None and event.attempt == inflight.request.attempt:
-                inflight.deliver(event)
+            if inflight is None or inflight.finished or event.attempt != inflight.request.attempt:
+                routed.unwanted.append(event)
+            elif event.index > inflight.next_index:
+                if inflight not in routed.broken:
+                    routed.broken.append(inflight)
+            elif event.index == inflight.next_index or not event.token_ids:  # else delivered already
+                inflight.deliver(event, batch.worker_id)
+        return routed
+
+    def observe(self, heartbeat: WorkerHeartbeat) -> list[InFlight]:
+        """Learn who runs what from a live worker's heartbeat; return the requests it lost."""
+        lost = []
+        for inflight in self._requests.values():
+            if heartbeat.requests.get(inflight.request.request_id) == inflight.request.attempt:
+                inflight.worker_id = heartbeat.worker_id
+                inflight.unlisted = 0
+            elif inflight.worker_id == heartbeat.worker_id and not inflight.finished:
+                inflight.unlisted += 1
+                if inflight.unlisted >= UNLISTED_HEARTBEATS:
+                    lost.append(inflight)
+        return lost

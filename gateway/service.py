@@ -3,6 +3,9 @@
 One instance per gateway process. It owns the gateway's reply topic (created
 at start, deleted at a clean stop) and listens to the control topic for the
 workers' heartbeats. The HTTP routes call `resolve`, `submit` and `cancel`.
+Its heartbeats go to the control topic (workers drop the requests of a gateway
+that stops sending them) and to its own reply topic: a listener that does not
+hear its own gateway's heartbeats for a while is stuck, and is rebuilt.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from dataclasses import dataclass
 import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
+from bus.peers import PeerClock
 from bus.topics import control_topic, reply_topic, request_topic
 from gateway.directory import WorkerDirectory
 from gateway.errors import ApiError, not_found, unavailable
+from gateway.failover import WORKER_SILENCE_S, Failover
 from gateway.inflight import InFlight, InFlightRegistry
 from schemas.messages import (
     CancelRequest,
@@ -39,6 +44,8 @@ CLIENT_GONE = "client gone"
 RETRY_AFTER_S = 1  # in-flight requests end every few tens of milliseconds under load
 BACKLOG_INTERVAL_S = 5.0
 HEARTBEAT_INTERVAL_S = 1.0
+LISTENER_STUCK_S = 10.0  # own heartbeats published this long without one coming back: rebuild the listener
+_FORGET_WORKER_S = 600.0
 
 # Replay this much of the control topic at start, so that a new gateway knows
 # the running workers at once instead of after their next heartbeat.
@@ -65,6 +72,10 @@ class GatewayService:
         self._control_topic = control_topic(settings.topic_prefix)
         self.directory = WorkerDirectory()
         self.inflight = InFlightRegistry()
+        workers = PeerClock(HEARTBEAT_INTERVAL_S, WORKER_SILENCE_S, LISTENER_STUCK_S, _FORGET_WORKER_S)
+        self._failover = Failover(bus, self.inflight, self._control_topic, settings.topic_prefix, workers)
+        # Only the stuck-consumer check of the reply listener: no peers there.
+        self._reply_echo = PeerClock(HEARTBEAT_INTERVAL_S, WORKER_SILENCE_S, LISTENER_STUCK_S, _FORGET_WORKER_S)
         self._metrics = metrics_of("gateway")
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
@@ -99,12 +110,23 @@ class GatewayService:
     async def _route_replies(self, replies: Listener) -> None:
         async for message in replies:
             if isinstance(message, TokenEvents):
-                self.inflight.deliver(message)
+                self._failover.on_events(message)
+            elif isinstance(message, GatewayHeartbeat) and message.gateway_id == self.gateway_id:
+                self._reply_echo.own_heard(time.monotonic())
 
     async def _watch_control(self, control: Listener) -> None:
+        workers = self._failover.workers
         async for message in control:
+            now = time.monotonic()
             if isinstance(message, WorkerHeartbeat):
                 self.directory.observe(message)
+                if message.leaving:
+                    workers.left(message.worker_id, now)
+                else:
+                    workers.heard(message.worker_id, now)
+                    self._failover.on_heartbeat(message)
+            elif isinstance(message, GatewayHeartbeat) and message.gateway_id == self.gateway_id:
+                workers.own_heard(now)
 
     def _heartbeat(self, leaving: bool = False) -> GatewayHeartbeat:
         return GatewayHeartbeat(
@@ -112,9 +134,21 @@ class GatewayService:
         )
 
     async def _send_heartbeats(self) -> None:
-        """Tell workers this gateway still waits for its requests' tokens."""
+        """Tell workers this gateway still waits for its requests' tokens; check the listeners and the workers."""
+        replies, control = self._listeners
+        watched = [
+            (self._reply_topic, replies, self._reply_echo),
+            (self._control_topic, control, self._failover.workers),
+        ]
         while True:
-            await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published")
+            for topic, listener, echo in watched:
+                if await self._bus.publish_or_log(topic, self._heartbeat(), "heartbeat_not_published"):
+                    echo.own_published(time.monotonic())
+                if echo.stuck(time.monotonic()):
+                    log.warning("listener_stuck", topic=topic)
+                    await listener.rebuild()
+                    echo.consumer_rebuilt()
+            self._failover.check()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _measure_backlogs(self) -> None:
@@ -233,6 +267,7 @@ class GatewayService:
         awaited publish short.
         """
         self.inflight.close(inflight.request.request_id)
+        self._failover.forget(inflight, told_to_stop=not inflight.worker_ended)
         inflight.timer.end(CLIENT_GONE, time.time())  # unless its last event ended it already
         if inflight.worker_ended:
             return

@@ -7,6 +7,7 @@ message and logs it rather than guessing. On the wire they are JSON.
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -133,7 +134,12 @@ class CancelRequest(_Message):
     attempts_before: int | None = None
 
     def covers(self, attempt: int) -> bool:
-        return self.attempts_before is None or attempt < self.attempts_before
+        return attempt < self.reach
+
+    @property
+    def reach(self) -> float:
+        """It covers every attempt below this."""
+        return math.inf if self.attempts_before is None else self.attempts_before
 
 
 class ServedModel(BaseModel):

@@ -169,8 +169,9 @@ def _kafka_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--kafka-session-timeout-ms",
         type=int,
-        default=10_000,
-        help="workers: how long the group waits for a silent member",
+        default=6_000,
+        help="workers: how long the group waits for a silent member before its partitions move "
+        "(a dead worker's unread requests wait this long)",
     )
     _option(
         parser,

@@ -2,12 +2,14 @@
 
 It takes only what its engine can start now, most urgent first: a free slot,
 or the slot of a running request of a lower priority, which the engine then
-preempts. Expired and cancelled requests are dropped when they are taken; each
-request is acknowledged once its last event is published. Every engine
-step's events leave as one message per gateway. Heartbeats on the control
-topic tell gateways that it lives and what it serves; cancellations and the
-gateways' heartbeats arrive there too: the requests of a gateway that left
-or went silent are cancelled, or skipped when taken.
+preempts. Expired, cancelled and superseded requests (an older attempt of a
+request that failed over) are dropped when they are taken; each request is
+acknowledged once its last event is published. Every engine step's events
+leave as one message per gateway. Heartbeats on the control topic tell
+gateways that it lives, what it serves and which requests it runs (a gateway
+fails over the ones a worker stops listing); cancellations and the gateways'
+heartbeats arrive there too: the requests of a gateway that left or went
+silent are cancelled, or skipped when taken.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import structlog
 from prometheus_client import Counter
 
 from bus.base import Bus, Delivery, Listener, RequestQueue
+from bus.peers import PeerClock
 from bus.topics import control_topic, request_topics, worker_group
 from schemas.messages import (
     CancelRequest,
@@ -47,6 +50,8 @@ _BACKLOG_INTERVAL_S = 5.0
 # A gateway silent this long (three heartbeats) is gone; its requests are cancelled.
 _GATEWAY_SILENCE_S = 3.0
 _FORGET_GONE_GATEWAY_S = 3600.0  # the longest timeout a request may have
+# Own heartbeats published this long without one coming back: rebuild the control consumer.
+_CONTROL_STUCK_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,10 @@ class _Taken:
     @property
     def priority(self) -> int:
         return self.delivery.request.priority
+
+    @property
+    def attempt(self) -> int:
+        return self.delivery.request.attempt
 
 
 class Worker:
@@ -96,9 +105,13 @@ class Worker:
         self._group = worker_group(settings.topic_prefix, self.model.name)
         self._control_topic = control_topic(settings.topic_prefix)
         self._active: dict[str, _Taken] = {}  # request id -> the request running here
-        self._cancelled: dict[str, float] = {}  # cancelled before it was taken: request id -> its deadline
-        # Reply topic of each gateway with requests here -> when it counts as gone unless it is heard from.
-        self._gateways_due: dict[str, float] = {}
+        # Request id -> its latest cancel, kept until the request's deadline: a
+        # request (or attempt) cancelled before it is taken is skipped then.
+        self._cancelled: dict[str, CancelRequest] = {}
+        # The gateways, by reply topic; their silence counts only while the control topic works.
+        self._gateways = PeerClock(
+            settings.heartbeat_interval_s, _GATEWAY_SILENCE_S, _CONTROL_STUCK_S, _FORGET_GONE_GATEWAY_S
+        )
         self._drops: list[tuple[Delivery, ErrorInfo | None]] = []  # taken only to be dropped, and why
         self._steps: asyncio.Queue[list[TokenEvent]] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -171,12 +184,17 @@ class Worker:
     def _take_on(self, delivery: Delivery) -> bool:
         """Whether to take a request now (`RequestQueue.take`'s accept): to start it, or to drop it."""
         request = delivery.request
-        if request.request_id in self._active:  # delivered again while it runs here
+        running = self._active.get(request.request_id)
+        cancel = self._cancelled.get(request.request_id)
+        if running is not None and running.attempt >= request.attempt:  # delivered again while it runs here
             self._drops.append((delivery, None))
-        elif request.request_id in self._cancelled:
-            log.info("request_skipped", request_id=request.request_id, reason="cancelled while queued")
+        elif running is not None:  # a failover of the one running here: that one is stale; start this once it ends
+            self._cancel(running, "superseded")
+            return False
+        elif cancel is not None and cancel.covers(request.attempt):
+            log.info("request_skipped", request_id=request.request_id, attempt=request.attempt, reason=cancel.reason)
             self._drops.append((delivery, None))
-        elif self._gateway_gone(request.reply_to, time.monotonic()):
+        elif self._gateways.gone(request.reply_to, time.monotonic()):
             log.info("request_skipped", request_id=request.request_id, reason="its gateway is gone")
             self._drops.append((delivery, None))
         elif time.time() > request.deadline:
@@ -184,14 +202,14 @@ class Worker:
             message = f"request {request.request_id} expired in the queue"
             self._drops.append((delivery, ErrorInfo(message=message, error_type="Timeout", status=504)))
         elif self._has_room(request.priority):
-            # A gateway not heard from yet gets a few of its heartbeats' time to show it is there.
-            self._gateways_due.setdefault(request.reply_to, time.monotonic() + _GATEWAY_SILENCE_S)
+            self._gateways.expect(request.reply_to, time.monotonic())
             self._active[request.request_id] = _Taken(delivery, RequestTimer(self._metrics, request))
             self._engine.submit(request, time.monotonic())
             log.info(
                 "request_admitted",
                 request_id=request.request_id,
                 priority=request.priority,
+                attempt=request.attempt,
                 running=len(self._active),
             )
         else:
@@ -244,15 +262,24 @@ class Worker:
 
     async def _follow_control(self, control: Listener) -> None:
         async for message in control:
+            now = time.monotonic()
             if isinstance(message, GatewayHeartbeat):
-                silence = 0.0 if message.leaving else _GATEWAY_SILENCE_S
-                self._gateways_due[message.reply_to] = time.monotonic() + silence
+                if message.leaving:
+                    self._gateways.left(message.reply_to, now)
+                else:
+                    self._gateways.heard(message.reply_to, now)
+            elif isinstance(message, WorkerHeartbeat) and message.worker_id == self._settings.worker_id:
+                self._gateways.own_heard(now)
             elif isinstance(message, CancelRequest):
-                taken = self._active.get(message.request_id)
-                if taken is not None:
-                    self._cancel(taken, message.reason)
-                elif message.deadline > time.time():
-                    self._cancelled[message.request_id] = message.deadline  # skipped if it is taken later
+                self._follow_cancel(message)
+
+    def _follow_cancel(self, cancel: CancelRequest) -> None:
+        taken = self._active.get(cancel.request_id)
+        if taken is not None and cancel.covers(taken.attempt):
+            self._cancel(taken, cancel.reason)
+        known = self._cancelled.get(cancel.request_id)
+        if (known is None or cancel.reach > known.reach) and cancel.deadline > time.time():
+            self._cancelled[cancel.request_id] = cancel  # a later delivery of what it covers is skipped
 
     def _cancel(self, taken: _Taken, reason: str) -> None:
         if taken.cancelled:
@@ -263,26 +290,21 @@ class Worker:
         self._metrics.cancellations.labels(self.model.name, reason).inc()
         log.info("request_cancel_received", request_id=request_id, reason=reason)
 
-    def _gateway_gone(self, reply_to: str, now: float) -> bool:
-        due = self._gateways_due.get(reply_to)
-        return due is not None and now > due
-
     def _drop_orphans(self) -> None:
         """Stop generating for gateways that left or went silent: nobody reads those tokens."""
         now = time.monotonic()
         for taken in list(self._active.values()):
-            if self._gateway_gone(taken.delivery.request.reply_to, now):
+            if self._gateways.gone(taken.delivery.request.reply_to, now):
                 self._cancel(taken, "gateway gone")
-        # Remember a gone gateway as long as its requests may still wait in a topic, to skip them.
-        self._gateways_due = {
-            topic: due for topic, due in self._gateways_due.items() if due > now - _FORGET_GONE_GATEWAY_S
-        }
+        # A gone gateway is remembered as long as its requests may still wait in a topic, to skip them.
+        self._gateways.forget_old(now)
 
     def _heartbeat(self, leaving: bool = False) -> WorkerHeartbeat:
         return WorkerHeartbeat(
             worker_id=self._settings.worker_id,
             model=self.model,
             running=len(self._active),
+            requests={request_id: taken.attempt for request_id, taken in self._active.items()},
             capacity=self._config.max_batch_size,
             interval_s=self._settings.heartbeat_interval_s,
             leaving=leaving,
@@ -290,9 +312,14 @@ class Worker:
 
     async def _send_heartbeats(self) -> None:
         while True:
-            await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published")
+            if await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published"):
+                self._gateways.own_published(time.monotonic())
+            if self._gateways.stuck(time.monotonic()) and self._control is not None:
+                log.warning("control_consumer_stuck", topic=self._control_topic)
+                await self._control.rebuild()
+                self._gateways.consumer_rebuilt()
             now = time.time()  # a cancel outlives its request's deadline in no one's interest
-            self._cancelled = {r: deadline for r, deadline in self._cancelled.items() if deadline > now}
+            self._cancelled = {r: c for r, c in self._cancelled.items() if c.deadline > now}
             self._drop_orphans()
             await asyncio.sleep(self._settings.heartbeat_interval_s)
 

@@ -1,0 +1,75 @@
+"""Who on the control topic is still there, judged only while the topic demonstrably works.
+
+Gateways and workers heartbeat on the control topic and read it, their own
+heartbeats included. A broker outage silences every peer at once, and so does
+a consumer that stopped fetching; neither means the peers died. So silence
+counts only while this process hears its own heartbeats: a peer is gone once
+the topic has worked for `silence_s` without a word from it, or once it said
+goodbye. Hearing nothing of its own heartbeats for `stuck_after_s` while
+publishing them succeeds means this process's control consumer is stuck.
+"""
+
+from __future__ import annotations
+
+
+class PeerClock:
+    def __init__(self, interval_s: float, silence_s: float, stuck_after_s: float, forget_after_s: float) -> None:
+        self._interval_s = interval_s  # of this process's own heartbeats
+        self._silence_s = silence_s
+        self._stuck_after_s = stuck_after_s
+        self._forget_after_s = forget_after_s
+        self._heard: dict[str, float] = {}  # peer -> when last heard
+        self._left: dict[str, float] = {}  # peer -> when it said goodbye
+        self._own_heard_at: float | None = None
+        self._working_since = 0.0  # since when own heartbeats come back without a gap
+        self._unheard_since: float | None = None  # first own heartbeat published since the last one heard
+
+    def own_published(self, now: float) -> None:
+        if self._unheard_since is None:
+            self._unheard_since = now
+
+    def own_heard(self, now: float) -> None:
+        if not self.working(now):
+            self._working_since = now
+        self._own_heard_at = now
+        self._unheard_since = None
+
+    def consumer_rebuilt(self) -> None:
+        """Start counting towards `stuck` again, from the next own heartbeat published."""
+        self._unheard_since = None
+
+    def heard(self, peer: str, now: float) -> None:
+        self._heard[peer] = now
+        self._left.pop(peer, None)
+
+    def expect(self, peer: str, now: float) -> None:
+        """A peer first known from a message other than its heartbeat: give it `silence_s` to be heard."""
+        if peer not in self._heard and peer not in self._left:
+            self._heard[peer] = now
+
+    def left(self, peer: str, now: float) -> None:
+        self._heard.pop(peer, None)
+        self._left[peer] = now
+
+    def working(self, now: float) -> bool:
+        """Whether own heartbeats come back (none missed but the one on its way)."""
+        return self._own_heard_at is not None and now - self._own_heard_at <= 2.5 * self._interval_s
+
+    def gone(self, peer: str, now: float) -> bool:
+        """Said goodbye, or silent for `silence_s` of a working topic. An unknown peer is not gone."""
+        if peer in self._left:
+            return True
+        heard_at = self._heard.get(peer)
+        if heard_at is None or not self.working(now):
+            return False
+        return now - max(heard_at, self._working_since) > self._silence_s
+
+    def stuck(self, now: float) -> bool:
+        """Own heartbeats were published for `stuck_after_s` and none came back: the consumer is stuck."""
+        return self._unheard_since is not None and now - self._unheard_since > self._stuck_after_s
+
+    def forget_old(self, now: float) -> None:
+        """Drop peers not heard of for `forget_after_s` (as long as their requests may still be waiting)."""
+        horizon = now - self._forget_after_s
+        self._heard = {p: t for p, t in self._heard.items() if t > horizon}
+        self._left = {p: t for p, t in self._left.items() if t > horizon}

@@ -1,0 +1,93 @@
+"""Failover on a real Kafka broker: a worker SIGKILLed mid-stream is invisible to the clients.
+
+The gateway notices the dead worker (its heartbeats stop while the control
+topic works) and re-publishes each of its requests as a recomputation from the
+last delivered token; another worker prefills it and continues. Seeded
+sampling makes the continuation exact, so every stream must equal its run
+without a failure, token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.processes import Process, free_port, wait_ready
+
+pytestmark = pytest.mark.kafka
+
+MODEL = "tokenrelay-tiny"
+PROMPTS = ["The following example", "def main():\n", "A context manager is", "The os module provides"]
+
+
+def _body(i: int) -> dict:
+    parameters = {"max_new_tokens": 96, "do_sample": True, "temperature": 0.9, "seed": 1000 + i, "details": True}
+    return {"text_input": PROMPTS[i % len(PROMPTS)], "parameters": parameters}
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.counts: list[int] = []  # generated_tokens of each event: 1, 2, 3... unless a token is lost or doubled
+        self.done = False
+
+    async def run(self, client: httpx.AsyncClient, url: str, body: dict) -> _Stream:
+        async with client.stream("POST", url, json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    event = json.loads(line[len("data:") :])
+                    assert "error" not in event, event
+                    self.texts.append(event["text_output"])
+                    self.counts.append(event["details"]["generated_tokens"])
+        self.done = True
+        return self
+
+
+async def _streams(url: str, count: int, while_running=None) -> list[_Stream]:
+    streams = [_Stream() for _ in range(count)]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
+        tasks = [asyncio.create_task(s.run(client, url, _body(i))) for i, s in enumerate(streams)]
+        if while_running is not None:
+            await while_running(streams)
+        await asyncio.wait_for(asyncio.gather(*tasks), 150)  # none hangs
+    return streams
+
+
+def _joined(worker: Process) -> bool:
+    return any(e.get("partitions", 0) > 0 for e in worker.events_named("partitions_assigned"))
+
+
+async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kafka_bootstrap, topic_prefix, spawn):
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
+    workers = [spawn("worker", *kafka, "--worker-id", f"w{i}") for i in range(2)]
+    port = free_port()
+    gateway = spawn("gateway", "--port", str(port), *kafka)
+    wait_ready(f"http://127.0.0.1:{port}", MODEL, [*workers, gateway])
+    deadline = time.monotonic() + 60
+    while not all(_joined(w) for w in workers):  # both share the partitions before the reference run
+        assert time.monotonic() < deadline, [w.log_tail() for w in workers]
+        await asyncio.sleep(0.2)
+    url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/generate_stream"
+    reference = await _streams(url, 32)
+
+    async def kill_mid_stream(streams: list[_Stream]) -> None:
+        while sum(len(s.counts) >= 8 for s in streams) < 24:
+            await asyncio.sleep(0.05)
+        workers[0].popen.send_signal(signal.SIGKILL)
+
+    admitted_before = len(workers[0].events_named("request_admitted"))
+    failed = await _streams(url, 32, kill_mid_stream)
+    assert len(workers[0].events_named("request_admitted")) > admitted_before  # it had streams when it died
+
+    for i, (expected, got) in enumerate(zip(reference, failed, strict=True)):
+        assert got.counts == list(range(1, len(got.counts) + 1)), i  # no token missing, none twice
+        assert "".join(got.texts) == "".join(expected.texts) and got.counts == expected.counts, i
+    failovers = gateway.events_named("request_failing_over")
+    assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
+    assert {f["worker_id"] for f in failovers} == {"w0"}
