@@ -18,6 +18,9 @@ import httpx
 import pytest
 
 from tests.processes import Process, free_port, wait_ready
+from tokenrelay.bench_chaos import FAILURES, Workers, run_chaos
+from tokenrelay.topology import tokenrelay_processes
+from tokenrelay.topology import wait_ready as wait_gateway_ready
 
 pytestmark = pytest.mark.kafka
 
@@ -91,3 +94,23 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
     failovers = gateway.events_named("request_failing_over")
     assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
     assert {f["worker_id"] for f in failovers} == {"w0"}
+
+
+def test_two_minutes_of_chaos_lose_nothing(kafka_bootstrap, topic_prefix, tmp_path):
+    """2 gateways, 3 workers, steady load; a worker SIGKILLed and restarted every 20 s."""
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
+    workers = Workers(kafka, 3, tmp_path)
+    ports = [free_port(), free_port()]
+    try:
+        with tokenrelay_processes([["gateway", *kafka, "--port", str(port)] for port in ports], tmp_path) as gateways:
+            urls = [f"http://127.0.0.1:{port}" for port in ports]
+            for url in urls:
+                wait_gateway_ready(url, MODEL, [*gateways, *workers.processes])
+            result = asyncio.run(
+                run_chaos(urls, workers, duration_s=120, kill_every_s=20, concurrency=8, hang_after_s=60)
+            )
+    finally:
+        workers.stop()
+    print(result)  # the counts, for the CI log
+    assert result["workers_killed"] == 5 and result["requests"] > 100, result
+    assert {o: result[o] for o in FAILURES} == dict.fromkeys(FAILURES, 0), result

@@ -4,7 +4,7 @@
     tokenrelay gateway   an HTTP/WebSocket gateway on Kafka
     tokenrelay worker    a model worker on Kafka
     tokenrelay up        gateways and workers on one Kafka, on this machine
-    tokenrelay bench     benchmarks (engine, serve)
+    tokenrelay bench     benchmarks (engine, serve, chaos)
 
 Every flag can also come from the environment: `--served-model-name` is
 `TOKENRELAY_SERVED_MODEL_NAME` (lists separated by commas). A flag given on
@@ -33,7 +33,7 @@ from bus.kafka import KafkaBus, KafkaSettings
 from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
-from tokenrelay import bench_serve, logs, topology
+from tokenrelay import bench_chaos, bench_serve, logs, topology
 from workers.engine import bench as bench_engine
 from workers.engine.engine import EngineConfig
 from workers.engine.model_runner import BUNDLED_MODEL, DTYPES, load_model
@@ -217,9 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     _option(up, "--gateway-args", default="", help="more flags for every gateway, as one string")
     _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
     bench = commands.add_parser(
-        "bench", help="benchmarks: `tokenrelay bench engine --help`, `tokenrelay bench serve --help`", add_help=False
+        "bench", help="benchmarks: `tokenrelay bench {engine,serve,chaos} --help`", add_help=False
     )
-    bench.add_argument("benchmark", choices=["engine", "serve"])
+    bench.add_argument("benchmark", choices=["engine", "serve", "chaos"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     for sub in (serve, gateway, worker):
         _common_options(sub)
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         logs.configure("warning", process="bench")
-        (bench_engine if args.benchmark == "engine" else bench_serve).main(args.options)
+        {"engine": bench_engine, "serve": bench_serve, "chaos": bench_chaos}[args.benchmark].main(args.options)
         return
     logs.configure(args.log_level, process=args.command)
     if args.command == "up":

@@ -65,16 +65,19 @@ def wait_ready(base: str, model: str | None, processes: list[subprocess.Popen], 
     raise RuntimeError(f"{base}{path} did not answer 200 within {timeout_s} s")
 
 
+def spawn(command: list[str], log_path: Path) -> subprocess.Popen:
+    """`tokenrelay COMMAND...` in the background, its output appended to `log_path`."""
+    with open(log_path, "a") as log:
+        return subprocess.Popen([sys.executable, "-m", "tokenrelay.cli", *command], stdout=log, stderr=log, cwd=REPO)
+
+
 @contextmanager
 def tokenrelay_processes(commands: list[list[str]], logs: Path) -> Iterator[list[subprocess.Popen]]:
     """`tokenrelay COMMAND...` for each command, logging to `logs`; terminated (SIGTERM, then kill) on exit."""
     processes: list[subprocess.Popen] = []
     try:
         for index, command in enumerate(commands):
-            log = open(logs / f"{command[0]}-{index}.log", "w")
-            processes.append(
-                subprocess.Popen([sys.executable, "-m", "tokenrelay.cli", *command], stdout=log, stderr=log, cwd=REPO)
-            )
+            processes.append(spawn(command, logs / f"{command[0]}-{index}.log"))
         yield processes
     finally:
         for process in processes:

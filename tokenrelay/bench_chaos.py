@@ -1,0 +1,225 @@
+"""`tokenrelay bench chaos`: steady load while workers are killed and restarted; nothing may be lost.
+
+Starts `--gateways` gateways and `--workers` workers on one Kafka (a local
+broker from deploy/kafka/ unless `--kafka-bootstrap`), streams each kind of
+request once with no failure to learn its reference, then for `--duration`
+seconds keeps `--concurrency` seeded streams going through the gateways in
+turn while every `--kill-every` seconds one worker is SIGKILLed and started
+again at once. Every stream is checked against its reference and counted:
+
+- lost: it ended with an error event or an HTTP error, or never got an answer;
+- duplicated / missing tokens: its event counts are not 1, 2, 3... or its text
+  is not the reference's (a stream with both counts once, as duplicated);
+- different: as many tokens as the reference, but other text;
+- hung: no end within `--hang-after` seconds.
+
+Prints the counts (and, with `--json`, one JSON object on the last line);
+exits 1 unless every stream completed as its reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tokenrelay.topology import free_port, local_broker, spawn, tokenrelay_processes, wait_ready
+
+PROMPTS = ["The following example", "def main():\n", "A context manager is", "The os module provides"]
+OUTCOMES = ("completed", "lost", "duplicated", "missing", "different", "hung")
+FAILURES = OUTCOMES[1:]
+
+
+@dataclass(frozen=True)
+class Kind:
+    prompt: str
+    seed: int
+    max_new_tokens: int
+
+    def body(self) -> dict:
+        parameters = {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": True,
+            "temperature": 0.9,
+            "seed": self.seed,
+            "details": True,
+        }
+        return {"text_input": self.prompt, "parameters": parameters}
+
+
+@dataclass(frozen=True)
+class Stream:
+    text: str
+    counts: list[int]  # generated_tokens of each event
+
+
+def kinds(count: int, seed: int) -> list[Kind]:
+    rng = random.Random(seed)
+    return [Kind(PROMPTS[i % len(PROMPTS)], rng.randrange(1, 2**31), rng.randint(24, 96)) for i in range(count)]
+
+
+async def stream(client: httpx.AsyncClient, url: str, kind: Kind) -> Stream:
+    """One generate_stream; raises RuntimeError for an HTTP error or an error event."""
+    texts, counts = [], []
+    async with client.stream("POST", url, json=kind.body()) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                event = json.loads(line[len("data:") :])
+                if "error" in event:
+                    raise RuntimeError(f"error event: {event}")
+                texts.append(event["text_output"])
+                counts.append(event["details"]["generated_tokens"])
+    return Stream("".join(texts), counts)
+
+
+def judge(got: Stream, expected: Stream) -> str:
+    """Which outcome a finished stream is, against its reference."""
+    if got.counts == expected.counts and got.text == expected.text:
+        return "completed"
+    if len(set(got.counts)) < len(got.counts) or len(got.counts) > len(expected.counts):
+        return "duplicated"
+    if got.counts != expected.counts:
+        return "missing"
+    return "different"  # as many tokens, other text: not the continuation the reference is
+
+
+class Workers:
+    """Worker processes that can be killed and started again under the same id."""
+
+    def __init__(self, kafka: list[str], count: int, logs: Path) -> None:
+        self._kafka = kafka
+        self._logs = logs
+        self.processes = [self._start(i) for i in range(count)]
+
+    def _start(self, index: int) -> subprocess.Popen:
+        return spawn(["worker", *self._kafka, "--worker-id", f"worker-{index}"], self._logs / f"worker-{index}.log")
+
+    def kill_and_restart(self, index: int) -> None:
+        self.processes[index].send_signal(signal.SIGKILL)
+        self.processes[index].wait()
+        self.processes[index] = self._start(index)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+async def run_chaos(
+    urls: list[str],
+    workers: Workers,
+    *,
+    duration_s: float,
+    kill_every_s: float,
+    concurrency: int,
+    hang_after_s: float,
+    model: str = "tokenrelay-tiny",
+    seed: int = 0,
+) -> dict:
+    endpoints = [f"{url}/v2/models/{model}/generate_stream" for url in urls]
+    request_kinds = kinds(16, seed)
+    tally: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(hang_after_s, connect=10)) as client:
+        references = await asyncio.gather(
+            *(stream(client, endpoints[i % len(endpoints)], k) for i, k in enumerate(request_kinds))
+        )
+        stop_at = time.monotonic() + duration_s
+
+        async def client_loop(first: int) -> None:
+            n = first
+            while time.monotonic() < stop_at:
+                kind = n % len(request_kinds)
+                try:
+                    got = await asyncio.wait_for(
+                        stream(client, endpoints[n % len(endpoints)], request_kinds[kind]), hang_after_s
+                    )
+                    tally[judge(got, references[kind])] += 1
+                except TimeoutError:
+                    tally["hung"] += 1
+                except (RuntimeError, httpx.HTTPError) as error:
+                    tally["lost"] += 1
+                    errors[str(error)[:120]] += 1
+                n += concurrency
+
+        async def killer() -> None:
+            kills = 0
+            while time.monotonic() + kill_every_s < stop_at + 1:
+                await asyncio.sleep(kill_every_s)
+                workers.kill_and_restart(kills % len(workers.processes))
+                kills += 1
+            tally["kills"] = kills
+
+        await asyncio.gather(killer(), *(client_loop(i) for i in range(concurrency)))
+    return {
+        "requests": sum(tally[o] for o in OUTCOMES),
+        **{outcome: tally[outcome] for outcome in OUTCOMES},
+        "workers_killed": tally["kills"],
+        "errors": dict(errors),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="tokenrelay bench chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gateways", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of load")
+    parser.add_argument("--kill-every", type=float, default=20.0, help="seconds between worker kills")
+    parser.add_argument("--concurrency", type=int, default=8, help="streams open at once")
+    parser.add_argument("--hang-after", type=float, default=60.0, help="seconds after which a stream counts as hung")
+    parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tokenrelay-chaos-") as scratch, ExitStack() as stack:
+        logs = Path(scratch)
+        bootstrap = args.kafka_bootstrap or stack.enter_context(local_broker(logs / "kafka"))
+        kafka = ["--kafka-bootstrap", bootstrap, "--topic-prefix", f"chaos{uuid.uuid4().hex[:8]}"]
+        workers = Workers(kafka, args.workers, logs)
+        stack.callback(workers.stop)
+        ports = [free_port() for _ in range(args.gateways)]
+        gateways = stack.enter_context(
+            tokenrelay_processes([["gateway", *kafka, "--port", str(port)] for port in ports], logs)
+        )
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url in urls:
+            wait_ready(url, "tokenrelay-tiny", [*gateways, *workers.processes])
+        result = asyncio.run(
+            run_chaos(
+                urls,
+                workers,
+                duration_s=args.duration,
+                kill_every_s=args.kill_every,
+                concurrency=args.concurrency,
+                hang_after_s=args.hang_after,
+                seed=args.seed,
+            )
+        )
+    print(
+        f"{result['requests']} requests in {args.duration:.0f} s, {result['workers_killed']} workers killed: "
+        + ", ".join(f"{outcome} {result[outcome]}" for outcome in OUTCOMES),
+        flush=True,
+    )
+    if args.json:
+        print(json.dumps(result), flush=True)
+    raise SystemExit(0 if all(result[o] == 0 for o in FAILURES) else 1)
