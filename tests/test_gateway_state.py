@@ -75,6 +75,33 @@ async def test_events_of_another_attempt_are_dropped():
     assert [(e.attempt, e.index) async for e in inflight.events()] == [(2, 0)]
 
 
+async def test_duplicates_are_dropped_gaps_break_the_request_and_a_failover_goes_on_after_the_delivered_tokens():
+    registry = InFlightRegistry()
+    inflight = registry.open(_request("a"), "a")
+    routed = registry.deliver(TokenEvents(worker_id="w1", events=[_event("a", 0), _event("a", 1), _event("a", 1)]))
+    assert (routed.unwanted, routed.broken) == ([], [])
+    assert inflight.received == [0, 1] and inflight.worker_id == "w1"
+    routed = registry.deliver(TokenEvents(worker_id="w1", events=[_event("a", 3), _event("zzz", 0)]))
+    assert routed.broken == [inflight] and [e.request_id for e in routed.unwanted] == ["zzz"]
+
+    retry = inflight.attempt_again()
+    assert (retry.attempt, retry.generated_token_ids, inflight.worker_id) == (1, [0, 1], None)
+    routed = registry.deliver(TokenEvents(worker_id="w1", events=[_event("a", 2)]))  # the old attempt
+    assert [(e.request_id, e.attempt) for e in routed.unwanted] == [("a", 0)]
+    registry.deliver(TokenEvents(worker_id="w2", events=[_event("a", 2, attempt=1), _event("a", 3, 1, last=True)]))
+    assert [e.index async for e in inflight.events()] == [0, 1, 2, 3]
+
+
+def test_a_request_its_live_worker_stops_listing_is_lost_after_two_heartbeats():
+    registry = InFlightRegistry()
+    inflight = registry.open(_request("a"), "a")
+    assert registry.observe(_heartbeat("w1", ["m"], requests={"a": 0})) == []
+    assert inflight.worker_id == "w1"
+    assert registry.observe(_heartbeat("w2", ["m"])) == []  # another worker's silence says nothing
+    assert registry.observe(_heartbeat("w1", ["m"])) == []  # its last event may still be on its way
+    assert registry.observe(_heartbeat("w1", ["m"])) == [inflight]
+
+
 async def test_a_request_nobody_answers_ends_with_a_timeout_after_its_deadline():
     registry = InFlightRegistry()
     inflight = registry.open(_request("a", timeout_s=0.2), "a")
@@ -86,11 +113,21 @@ async def test_a_request_nobody_answers_ends_with_a_timeout_after_its_deadline()
     assert inflight.finished and not inflight.worker_ended  # so the gateway tells the worker to stop
 
 
-def _heartbeat(worker: str, names: list[str], interval_s: float = 1.0, leaving: bool = False) -> WorkerHeartbeat:
+def _heartbeat(
+    worker: str, names: list[str], interval_s: float = 1.0, leaving: bool = False, requests: dict | None = None
+) -> WorkerHeartbeat:
     model = ServedModel(
         name=names[0], aliases=names, max_seq_len=2560, max_input_len=2048, max_iter_times=512, vocab_size=32000
     )
-    return WorkerHeartbeat(worker_id=worker, model=model, running=0, capacity=8, interval_s=interval_s, leaving=leaving)
+    return WorkerHeartbeat(
+        worker_id=worker,
+        model=model,
+        running=len(requests or {}),
+        requests=requests or {},
+        capacity=8,
+        interval_s=interval_s,
+        leaving=leaving,
+    )
 
 
 def test_the_directory_knows_aliases_and_which_models_are_live():

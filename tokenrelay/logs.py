@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import structlog
 
@@ -36,7 +37,7 @@ def configure(level: str = "info", process: str = "tokenrelay") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
+            foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder({"repeated"})],
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,  # tracebacks of library records, as text
@@ -51,9 +52,40 @@ def configure(level: str = "info", process: str = "tokenrelay") -> None:
     # Libraries that are chatty at INFO: their warnings are what matters.
     for name in ("aiokafka", "kafka", "httpx", "transformers"):
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    handler.addFilter(RepeatFilter(every_s=5.0, prefix="aiokafka"))
     for name in ("uvicorn", "uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+
+
+class RepeatFilter(logging.Filter):
+    """Lets the same message of a library (by logger and format) through once per `every_s` seconds.
+
+    aiokafka retries without a pause while the broker is away and logs every
+    try: thousands of identical lines a second. The line that gets through
+    says how many were left out (`repeated`).
+    """
+
+    def __init__(self, every_s: float, prefix: str) -> None:
+        super().__init__()
+        self._every_s = every_s
+        self._prefix = prefix
+        self._last: dict[tuple[str, object], float] = {}
+        self._left_out: dict[tuple[str, object], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self._prefix):
+            return True
+        key = (record.name, record.msg)
+        now = time.monotonic()
+        if now - self._last.get(key, -self._every_s) < self._every_s:
+            self._left_out[key] = self._left_out.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        left_out = self._left_out.pop(key, 0)
+        if left_out:
+            record.repeated = left_out
+        return True
 
 
 def _add_process(process: str):
