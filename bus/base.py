@@ -84,6 +84,14 @@ class RequestQueue(ABC):
     @abstractmethod
     async def close(self) -> None: ...
 
+    @abstractmethod
+    async def revive_if_stuck(self) -> bool:
+        """Rebuild the consumer if it has stopped fetching requests that wait for it; True if it did.
+
+        Call it every few seconds. Requests taken and not finished are
+        delivered again after a rebuild (to this member or another).
+        """
+
 
 def offer(waiting: list[Delivery], accept: Accept, aging_s: float) -> list[Delivery]:
     """Offer `waiting` to `accept`, most urgent first; return the taken ones (and remove them from `waiting`)."""

@@ -49,6 +49,9 @@ class KafkaSettings:
     max_poll_interval_ms: int = 60_000
     # Past this a message is given up (and not sent later): a gateway answers 503 at once.
     publish_timeout_s: float = 1.5
+    # A request queue's consumer that fetched nothing this long while its partitions
+    # have requests it has not read is stuck (it happens after a broker restart): rebuilt.
+    consumer_stuck_s: float = 30.0
 
 
 def _decode(record) -> BusMessage | None:
@@ -74,10 +77,10 @@ class _KafkaListener(Listener):
                 if consumer is self._consumer:
                     raise
                 continue  # rebuilt meanwhile
-            if consumer is not self._consumer:
-                continue  # rebuilt meanwhile: the new consumer reads these again
             for partition, records in batches.items():
                 for record in records:
+                    if consumer is not self._consumer:
+                        break  # rebuilt meanwhile: the new consumer reads the rest again
                     self._next[partition] = record.offset + 1
                     message = _decode(record)
                     if message is not None:
@@ -106,15 +109,36 @@ class _OffsetTracker:
         return min(self.unfinished) if self.unfinished else self.read_up_to
 
 
+# Per partition: the group's committed offset (None: none yet) and the partition's end offset.
+LagProbe = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, tuple[int | None, int]]]]
+
+
 class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
-    def __init__(self, consumer: AIOKafkaConsumer, group: str, aging_s: float) -> None:
-        self._consumer = consumer
+    def __init__(
+        self,
+        open_consumer: Callable[[], AIOKafkaConsumer],
+        topics: Sequence[str],
+        group: str,
+        aging_s: float,
+        lag_probe: LagProbe,
+        stuck_s: float,
+    ) -> None:
+        self._open_consumer = open_consumer
+        self._topics = list(topics)
         self._group = group
         self._aging_s = aging_s
+        self._lag_probe = lag_probe
+        self._stuck_s = stuck_s
+        self._consumer = open_consumer()
         self._offsets: dict[TopicPartition, _OffsetTracker] = {}
         self._to_commit: set[TopicPartition] = set()
         # Fetched but refused so far; their partitions are paused until they are taken.
         self._waiting: list[Delivery] = []
+        self._fed_at = time.monotonic()  # when it last fetched something, or had nothing to fetch
+
+    async def start(self) -> None:
+        self._consumer.subscribe(self._topics, listener=self)
+        await self._consumer.start()
 
     # -- ConsumerRebalanceListener: called by aiokafka around a rebalance
 
@@ -146,6 +170,8 @@ class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
         return offer(self._waiting, accept, self._aging_s)
 
     def _collect(self, batches) -> None:
+        if batches:
+            self._fed_at = time.monotonic()
         for partition, records in batches.items():
             tracker = self._offsets.setdefault(partition, _OffsetTracker())
             for record in records:
@@ -182,6 +208,33 @@ class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
     async def close(self) -> None:
         await self._commit()
         await self._consumer.stop()
+
+    async def revive_if_stuck(self) -> bool:
+        reading = list(self._consumer.assignment() - {d.source[0] for d in self._waiting})
+        try:
+            lag = await self._lag_probe(reading) if reading else {}
+        except BusUnavailable:
+            self._fed_at = time.monotonic()  # the broker is away: nobody fetches now, stuck or not
+            raise
+        behind = [p for p, (committed, end) in lag.items() if end > max(committed or 0, self._read_up_to(p))]
+        if not behind:
+            self._fed_at = time.monotonic()
+            return False
+        if time.monotonic() - self._fed_at < self._stuck_s:
+            return False
+        log.warning("request_consumer_stuck", group=self._group, partitions_behind=len(behind))
+        await self._consumer.stop()  # leaves the group: whatever it had not finished is delivered again
+        self._offsets.clear()
+        self._to_commit.clear()
+        self._waiting.clear()
+        self._consumer = self._open_consumer()
+        await self.start()
+        self._fed_at = time.monotonic()
+        return True
+
+    def _read_up_to(self, partition: TopicPartition) -> int:
+        tracker = self._offsets.get(partition)
+        return tracker.read_up_to if tracker is not None else 0
 
 
 class KafkaBus(Bus):
@@ -337,14 +390,24 @@ class KafkaBus(Bus):
         return self._offsets
 
     async def open_request_queue(self, topics: Sequence[str], group: str, aging_s: float = 10.0) -> RequestQueue:
-        consumer = self._consumer(
-            group_id=group,
-            auto_offset_reset="earliest",  # a request published before any worker joined still counts
-            session_timeout_ms=self._settings.session_timeout_ms,
-            heartbeat_interval_ms=self._settings.heartbeat_interval_ms,
-            max_poll_interval_ms=self._settings.max_poll_interval_ms,
-        )
-        queue = _KafkaRequestQueue(consumer, group, aging_s)
-        consumer.subscribe(list(topics), listener=queue)
-        await consumer.start()
+        def open_consumer() -> AIOKafkaConsumer:
+            return self._consumer(
+                group_id=group,
+                auto_offset_reset="earliest",  # a request published before any worker joined still counts
+                session_timeout_ms=self._settings.session_timeout_ms,
+                heartbeat_interval_ms=self._settings.heartbeat_interval_ms,
+                max_poll_interval_ms=self._settings.max_poll_interval_ms,
+            )
+
+        async def lag(partitions: list[TopicPartition]) -> dict[TopicPartition, tuple[int | None, int]]:
+            assert self._admin is not None
+            try:
+                committed = await self._admin.list_consumer_group_offsets(group, partitions=partitions)
+                ends = await (await self._offsets_reader()).end_offsets(partitions)
+            except KafkaError as error:
+                raise BusUnavailable(f"cannot measure the lag of {group}: {error!r}") from error
+            return {p: (committed[p].offset if p in committed else None, ends[p]) for p in partitions}
+
+        queue = _KafkaRequestQueue(open_consumer, topics, group, aging_s, lag, self._settings.consumer_stuck_s)
+        await queue.start()
         return queue

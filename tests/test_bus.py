@@ -167,3 +167,55 @@ async def test_publishing_to_a_topic_nobody_created_fails_in_process():
     bus = InProcessBus()
     with pytest.raises(UnknownTopic):
         await bus.publish(f"nowhere.{uuid.uuid4().hex}", CancelRequest(request_id="x", reason="x", deadline=0.0))
+
+
+async def test_a_rebuilt_listener_goes_on_where_it_stopped(bus, topic_prefix):
+    topic = f"{topic_prefix}.control"
+    await bus.create_topics({topic: 1})
+    listener = await bus.listen(topic)
+    try:
+        for label in ("a", "b"):
+            await bus.publish(topic, CancelRequest(request_id=label, reason="x", deadline=0.0))
+        first, iterator = await _next(listener)
+        await listener.rebuild()
+        await bus.publish(topic, CancelRequest(request_id="c", reason="x", deadline=0.0))
+        rest = [await asyncio.wait_for(anext(iterator), 10) for _ in range(2)]
+        assert [m.request_id for m in (first, *rest)] == ["a", "b", "c"]  # none lost, none twice
+    finally:
+        await listener.close()
+
+
+@pytest.mark.kafka
+async def test_a_request_consumer_that_stops_fetching_is_rebuilt_and_gets_the_waiting_request(
+    kafka_bootstrap, topic_prefix
+):
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, session_timeout_ms=6000, consumer_stuck_s=1.0)
+    bus = KafkaBus(settings, client_id="test")
+    await bus.start()
+    topics = request_topics(topic_prefix, "m")
+    try:
+        await bus.create_topics({t: 1 for t in topics})
+        queue = await bus.open_request_queue(topics, f"{topic_prefix}.workers")
+        while not queue._consumer.assignment():
+            await queue.take(_accept_all, timeout_s=0.2)
+        assert not await queue.revive_if_stuck()  # nothing waits: not stuck
+        stuck = queue._consumer
+
+        async def fetch_nothing(*args, **kwargs):  # what a consumer stuck after a reconnect does
+            await asyncio.sleep(0.1)
+            return {}
+
+        stuck.getmany = fetch_nothing
+        await bus.publish(topics[0], _request(1, "waiting"))
+        assert await queue.take(_accept_all, timeout_s=0.2) == []
+        deadline = time.monotonic() + 20
+        while not await queue.revive_if_stuck():
+            assert time.monotonic() < deadline, "the stuck consumer was not noticed"
+            await queue.take(_accept_all, timeout_s=0.2)
+        taken = []
+        while not taken and time.monotonic() < deadline + 20:
+            taken = await queue.take(_accept_all, timeout_s=0.5)
+        assert [d.request.request_id for d in taken] == ["waiting"]
+        await queue.close()
+    finally:
+        await bus.close()

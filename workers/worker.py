@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import Counter
 
-from bus.base import Bus, Delivery, Listener, RequestQueue
+from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue
 from bus.peers import PeerClock
 from bus.topics import control_topic, request_topics, worker_group
 from schemas.messages import (
@@ -136,7 +136,7 @@ class Worker:
             asyncio.create_task(self._publish_events(self._queue), name="publish-events"),
             asyncio.create_task(self._follow_control(self._control), name="follow-control"),
             asyncio.create_task(self._send_heartbeats(), name="heartbeats"),
-            asyncio.create_task(self._measure_backlog(), name="measure-backlog"),
+            asyncio.create_task(self._measure_backlog(self._queue), name="measure-backlog"),
         ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -323,7 +323,12 @@ class Worker:
             self._drop_orphans()
             await asyncio.sleep(self._settings.heartbeat_interval_s)
 
-    async def _measure_backlog(self) -> None:
+    async def _measure_backlog(self, queue: RequestQueue) -> None:
+        """The backlog gauge, and the request queue's liveness check (it may need the broker too)."""
         while True:
             await record_backlog(self._bus, self._metrics, self._settings.topic_prefix, self.model.name)
+            try:
+                await queue.revive_if_stuck()
+            except BusUnavailable as error:
+                log.debug("liveness_not_checked", error=str(error))
             await asyncio.sleep(_BACKLOG_INTERVAL_S)
