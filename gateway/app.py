@@ -11,7 +11,7 @@ from gateway import openapi
 from gateway.errors import install_handlers
 from gateway.media import MediaLoader
 from gateway.request_body import RequestBodies
-from gateway.routes import health, metrics, mindie, triton, websocket
+from gateway.routes import health, metrics, mindie, openai, triton, websocket
 from gateway.service import GatewayService
 
 
@@ -41,6 +41,7 @@ def create_app(service: GatewayService, media: MediaLoader, max_request_bytes: i
     openapi.install(app)
     app.include_router(mindie.router)
     app.include_router(triton.router)
+    app.include_router(openai.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(websocket.router)

@@ -41,6 +41,12 @@ class WorkerDirectory:
         """The model clients call `name`, if any worker ever announced it."""
         return self._models.get(name)
 
+    def served_names(self) -> list[str]:
+        """Every name a live worker answers to, aliases included."""
+        now = time.monotonic()
+        live = {w.heartbeat.model.name for w in self._workers.values() if w.live(now)}
+        return sorted(alias for alias, model in self._models.items() if model.name in live)
+
     def model_names(self) -> list[str]:
         """The canonical names of every model ever announced."""
         return sorted({model.name for model in self._models.values()})

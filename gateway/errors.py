@@ -1,4 +1,9 @@
-"""Errors as the contract shapes them: `{"error": ..., "error_type": ...}` with its status."""
+"""Errors as the contract shapes them: `{"error": ..., "error_type": ...}` with its status.
+
+On the OpenAI-compatible routes (/v1/...) the same errors take OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, and a body that does not
+validate is a 400 there, as OpenAI answers it.
+"""
 
 from __future__ import annotations
 
@@ -58,19 +63,34 @@ def describe_validation_error(error: dict) -> str:
     return f"{field}: {error.get('msg', 'invalid')}; received {shown}"
 
 
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+
+
+def openai_error_body(status: int, error_type: str, message: str) -> dict:
+    """An error in OpenAI's shape; `code` keeps the contract's error_type."""
+    kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": error_type}}
+
+
+def _answer(request: Request, status: int, error_type: str, message: str, headers=None) -> JSONResponse:
+    if request.url.path.startswith("/v1/"):
+        status = 400 if status == 422 else status
+        return JSONResponse(openai_error_body(status, error_type, message), status_code=status, headers=headers)
+    body = ErrorBody(error=message, error_type=error_type).model_dump()
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body.model_dump(), status_code=error.status, headers=error.headers)
+    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        return _answer(request, error.status, error.body.error_type, error.body.error, error.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         message = "; ".join(describe_validation_error(e) for e in error.errors())
-        return JSONResponse(ErrorBody(error=message, error_type=VALIDATION_ERROR).model_dump(), status_code=422)
+        return _answer(request, 422, VALIDATION_ERROR, message)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
         error_type = "NotFoundError" if error.status_code == 404 else "HTTPError"
-        return JSONResponse(
-            ErrorBody(error=str(error.detail), error_type=error_type).model_dump(), status_code=error.status_code
-        )
+        return _answer(request, error.status_code, error_type, str(error.detail))

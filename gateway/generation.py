@@ -38,6 +38,7 @@ class Completion:
     text: str
     finish_reason: FinishReason
     generated_tokens: int  # EOS included, and tokens generated before a recomputation
+    prompt_tokens: int  # as the worker counted them (0 if it never said)
 
 
 def _error(event: TokenEvent) -> ApiError:
@@ -108,12 +109,14 @@ async def complete(service: GatewayService, inflight: InFlight, connection: HTTP
     token_ids: list[int] = []
     pieces: list[str] = []
     last: TokenEvent | None = None
+    prompt_tokens = 0
 
     async def collect() -> None:
-        nonlocal last
+        nonlocal last, prompt_tokens
         async for event in inflight.events():
             if event.error is not None:
                 raise _error(event)
+            prompt_tokens = event.prompt_tokens or prompt_tokens
             token_ids.extend(event.token_ids)
             pieces.append(event.text)
             last = event
@@ -123,7 +126,8 @@ async def complete(service: GatewayService, inflight: InFlight, connection: HTTP
     finally:
         service.finish(inflight)
     assert last is not None and last.finish_reason is not None
-    return Completion(token_ids, "".join(pieces), last.finish_reason, last.index + len(last.token_ids))
+    generated = last.index + len(last.token_ids)
+    return Completion(token_ids, "".join(pieces), last.finish_reason, generated, prompt_tokens)
 
 
 async def _unless_gone(awaitable: Awaitable[T], connection: HTTPConnection) -> T:

@@ -27,6 +27,7 @@ from gateway.failover import WORKER_SILENCE_S, Failover
 from gateway.inflight import InFlight, InFlightRegistry
 from schemas.messages import (
     CancelRequest,
+    ChatMessage,
     GatewayHeartbeat,
     GenerationRequest,
     SamplingParams,
@@ -194,6 +195,7 @@ class GatewayService:
         *,
         prompt_text: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        chat_messages: list[ChatMessage] | None = None,
         priority: int | None = None,
         timeout_s: int | None = None,
         tokens_before: int = 0,
@@ -209,6 +211,7 @@ class GatewayService:
             model=model.name,
             prompt_text=prompt_text,
             prompt_token_ids=prompt_token_ids,
+            chat_messages=chat_messages,
             sampling=sampling,
             priority=priority or self._settings.default_priority,
             tokens_before=tokens_before,

@@ -21,7 +21,7 @@ class FinishReason(StrEnum):
 
     EOS_TOKEN = "eos_token"  # the model emitted EOS
     LENGTH = "length"  # max_new_tokens, max_iter_times or max_seq_len reached
-    STOP_SEQUENCE = "stop_sequence"  # cancelled: stopInfer, client gone, timeout
+    STOP_SEQUENCE = "stop_sequence"  # a stop string or stop token; or cancelled: stopInfer, client gone, timeout
     INVALID_FLAG = "invalid flag"  # anything else
 
 
@@ -46,6 +46,17 @@ class SamplingParams(BaseModel):
     seed: int = Field(ge=0, le=2**64 - 1)
     max_new_tokens: int = Field(default=20, ge=1)
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
+    stop: list[str] = []  # generation ends before the first of these strings (finish stop_sequence)
+    stop_token_ids: list[int] = []  # generation ends with the first of these tokens (finish stop_sequence)
+
+
+class ChatMessage(BaseModel):
+    """One turn of a chat; the worker renders the conversation with its tokenizer's chat template."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: str
+    content: str
 
 
 class GenerationRequest(_Message):
@@ -57,6 +68,7 @@ class GenerationRequest(_Message):
     model: str  # the canonical served name (the one its topics are named after)
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
+    chat_messages: list[ChatMessage] | None = None
     sampling: SamplingParams
     priority: int = Field(default=5, ge=1, le=5)
     # A recomputation continues a generation that broke off: this many tokens
@@ -72,8 +84,8 @@ class GenerationRequest(_Message):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerationRequest:
-        if (self.prompt_text is None) == (self.prompt_token_ids is None):
-            raise ValueError("exactly one of prompt_text and prompt_token_ids must be set")
+        if sum(p is not None for p in (self.prompt_text, self.prompt_token_ids, self.chat_messages)) != 1:
+            raise ValueError("exactly one of prompt_text, prompt_token_ids and chat_messages must be set")
         return self
 
     def urgency(self, now: float, aging_s: float) -> float:

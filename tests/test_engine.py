@@ -232,6 +232,20 @@ def test_a_failover_continues_from_the_delivered_tokens_with_the_same_tokens_and
     assert done.token_ids == [] and done.index == 40 and done.finish_reason == FinishReason.LENGTH
 
 
+def test_a_stop_string_ends_generation_before_it_and_a_stop_token_with_it(harness):
+    reference = harness.collect([rid := harness.submit(LONG, 40, ignore_eos=True)])[rid]
+    text = "".join(e.text for e in reference)
+    stop = text[20:24]
+    events = harness.collect([rid := harness.submit(LONG, 40, ignore_eos=True, stop=[stop, "\u00a7never"])])[rid]
+    assert "".join(e.text for e in events) == text[: text.index(stop)]
+    assert events[-1].finish_reason == FinishReason.STOP_SEQUENCE and len(events) < 40
+    stop_token = _tokens(reference)[6]
+    events = harness.collect([rid := harness.submit(LONG, 40, ignore_eos=True, stop_token_ids=[stop_token])])[rid]
+    first = _tokens(reference).index(stop_token)
+    assert _tokens(events) == _tokens(reference)[: first + 1]
+    assert events[-1].finish_reason == FinishReason.STOP_SEQUENCE
+
+
 def test_cancel_ends_the_request_within_a_step(harness):
     request_id = harness.submit(LONG, 500)
     harness.wait_for_tokens(request_id, 1)

@@ -8,6 +8,7 @@ from schemas.messages import GenerationRequest, SamplingParams
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence, Status
+from workers.engine.stop_strings import StopStrings
 
 
 class _NoText:
@@ -28,7 +29,7 @@ def _sequence(tokens: list[int], priority: int = 5, name: str = "") -> Sequence:
     )
     from workers.engine.detokenizer import IncrementalDetokenizer
 
-    return Sequence(request, tokens, 100, IncrementalDetokenizer(_NoText(), tokens), time.monotonic())
+    return Sequence(request, tokens, 100, IncrementalDetokenizer(_NoText(), tokens), StopStrings([]), time.monotonic())
 
 
 def _compute(blocks: BlockManager, sequence: Sequence) -> None:

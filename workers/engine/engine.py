@@ -26,6 +26,7 @@ from workers.engine.model_runner import LoadedModel, ModelRunner
 from workers.engine.sampler import Draw, sample
 from workers.engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
+from workers.engine.stop_strings import StopStrings
 
 log = structlog.get_logger(__name__)
 
@@ -155,6 +156,8 @@ class Engine:
             if invalid:
                 vocab = self._loaded.vocab_size
                 raise _Rejected(request, f"token id {invalid[0]} is outside the vocabulary [0, {vocab})")
+        elif request.chat_messages is not None:
+            prompt_ids = self._render_chat(request)
         else:
             prompt_ids = tokenizer(request.prompt_text)["input_ids"]
         if not prompt_ids:
@@ -167,17 +170,26 @@ class Engine:
         budget = min(request.sampling.max_new_tokens, self._config.max_iter_times) - request.tokens_before
         if budget < 1:
             raise _Rejected(request, f"no token is left to generate after the {request.tokens_before} generated before")
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
-        for token in request.generated_token_ids:  # the text goes on exactly where the client's stopped
-            detokenizer.add(token)
-        return Sequence(
+        sequence = Sequence(
             request=request,
             prompt_ids=prompt_ids,
             max_new_tokens=budget,
-            detokenizer=detokenizer,
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
+            stop_strings=StopStrings(request.sampling.stop),
             received_at=received_at,
-            generated=list(request.generated_token_ids),
         )
+        sequence.replay(request.generated_token_ids)  # the text goes on exactly where the client's stopped
+        return sequence
+
+    def _render_chat(self, request: GenerationRequest) -> list[int]:
+        tokenizer = self._loaded.tokenizer
+        if not tokenizer.chat_template:
+            raise _Rejected(request, "this model has no chat template; use a completion route")
+        messages = [m.model_dump() for m in request.chat_messages or ()]
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        except Exception as error:  # the template refuses the conversation (roles out of order, ...)
+            raise _Rejected(request, f"the chat template cannot render these messages: {error}") from None
 
     def _end(self, sequence: Sequence, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
         self._scheduler.remove(sequence)
@@ -210,9 +222,9 @@ class Engine:
         events = []
         for chunk, token in zip(drawing, tokens, strict=True):
             sequence = chunk.sequence
-            finish = self._finish_reason(sequence, token)
-            events.append(sequence.append(token, started_at, len(chunks), finish))
-            if finish is not None:
+            event = sequence.append(token, started_at, len(chunks), self._finish_reason(sequence, token))
+            events.append(event)
+            if event.finish_reason is not None:
                 self._scheduler.remove(sequence)
                 del self._sequences[sequence.request_id]
         return events
@@ -220,6 +232,8 @@ class Engine:
     def _finish_reason(self, sequence: Sequence, token: int) -> FinishReason | None:
         if token in self._loaded.eos_token_ids and not sequence.request.sampling.ignore_eos:
             return FinishReason.EOS_TOKEN
+        if token in sequence.request.sampling.stop_token_ids:
+            return FinishReason.STOP_SEQUENCE
         return FinishReason.LENGTH if self._out_of_room(sequence, len(sequence.generated) + 1) else None
 
     def _out_of_room(self, sequence: Sequence, generated: int) -> bool:

@@ -8,6 +8,7 @@ from enum import Enum, auto
 
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.stop_strings import StopStrings
 
 
 class Status(Enum):
@@ -22,6 +23,7 @@ class Sequence:
     prompt_ids: list[int]
     max_new_tokens: int  # left to generate: the request's, capped by the engine, less tokens_before
     detokenizer: IncrementalDetokenizer
+    stop_strings: StopStrings
     received_at: float  # time.monotonic() when the worker took the request
     generated: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -59,6 +61,24 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
 
+    def replay(self, token_ids: list[int]) -> None:
+        """Take tokens an earlier attempt generated and delivered (a failover), as if generated here."""
+        for token_id in token_ids:
+            self.generated.append(token_id)
+            self.stop_strings.feed(self.detokenizer.add(token_id))
+
+    def _text(self, token_id: int | None, finish: FinishReason | None) -> tuple[str, FinishReason | None]:
+        """The text an event shows, and why the sequence ends (a stop string reached ends it)."""
+        text = self.detokenizer.add(token_id) if token_id is not None else ""
+        if finish is not None:
+            text += self.detokenizer.flush()
+        text, stopped = self.stop_strings.feed(text)
+        if stopped:
+            return text, FinishReason.STOP_SEQUENCE
+        if finish is not None:
+            text += self.stop_strings.flush()
+        return text, finish
+
     @property
     def next_index(self) -> int:
         """The request-wide index of the next token (recomputed tokens count)."""
@@ -79,10 +99,8 @@ class Sequence:
         waited = ((self.admitted_at or started_at) - self.received_at) if first else started_at - self.last_token_at
         since_previous = now - (self.received_at if first else self.last_token_at)
         self.generated.append(token_id)
-        text = self.detokenizer.add(token_id)
-        if finish is not None:
-            self.finish_reason = finish
-            text += self.detokenizer.flush()
+        text, finish = self._text(token_id, finish)
+        self.finish_reason = finish
         event = TokenEvent(
             request_id=self.request_id,
             attempt=self.request.attempt,
@@ -102,11 +120,12 @@ class Sequence:
     def stop(self, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
         """End the sequence without a new token (cancelled, expired, failed)."""
         self.finish_reason = reason
+        text, _ = self._text(None, reason)
         return TokenEvent(
             request_id=self.request_id,
             attempt=self.request.attempt,
             index=self.next_index,
-            text=self.detokenizer.flush(),
+            text=text,
             finish_reason=reason,
             error=error,
         )
