@@ -51,11 +51,18 @@ def decode_kernel():
         (line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
     )
     name = "tokenrelay_paged_decode_" + hashlib.sha256(flags.encode()).hexdigest()[:12]
+    # Built beside the source: checkouts sharing torch's cache folder would rebuild each other's kernel.
+    build: pathlib.Path | None = _KERNEL_SOURCE.with_name(".kernel-build") / name
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+    except OSError:  # installed read-only: torch's own cache folder
+        build = None
     try:
         return load(
             name=name,
             sources=[str(_KERNEL_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
+            build_directory=str(build) if build else None,
         )
     except Exception as error:  # no compiler, no ninja: the PyTorch path still works
         log.warning("decode_kernel_unavailable", error=str(error)[:500])
