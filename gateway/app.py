@@ -8,17 +8,21 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway import openapi
+from gateway.api_keys import ApiKeys
 from gateway.errors import install_handlers
 from gateway.media import MediaLoader
 from gateway.request_body import RequestBodies
-from gateway.routes import health, metrics, mindie, openai, triton, websocket
+from gateway.routes import health, metrics, mindie, openai, tgi, triton, websocket
 from gateway.service import GatewayService
 
 
-def create_app(service: GatewayService, media: MediaLoader, max_request_bytes: int) -> FastAPI:
+def create_app(
+    service: GatewayService, media: MediaLoader, max_request_bytes: int, api_keys: list[str] | None = None
+) -> FastAPI:
     """An app that serves through `service`, which it starts and stops with itself.
 
-    Request bodies over `max_request_bytes` are refused (413) before they are parsed.
+    Request bodies over `max_request_bytes` are refused (413) before they are
+    parsed; with `api_keys`, requests without one of them are refused (401) first.
     """
 
     @asynccontextmanager
@@ -37,11 +41,14 @@ def create_app(service: GatewayService, media: MediaLoader, max_request_bytes: i
     app.state.gateway = service
     app.state.media = media
     app.add_middleware(RequestBodies, max_bytes=max_request_bytes)
+    if api_keys:
+        app.add_middleware(ApiKeys, keys=api_keys)  # added last: it runs first
     install_handlers(app)
     openapi.install(app)
     app.include_router(mindie.router)
     app.include_router(triton.router)
     app.include_router(openai.router)
+    app.include_router(tgi.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(websocket.router)

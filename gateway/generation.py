@@ -15,6 +15,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
 
+from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection, Request
 
 from gateway.errors import ApiError, unprocessable
@@ -39,6 +40,7 @@ class Completion:
     finish_reason: FinishReason
     generated_tokens: int  # EOS included, and tokens generated before a recomputation
     prompt_tokens: int  # as the worker counted them (0 if it never said)
+    events: list[TokenEvent]  # every event, in order
 
 
 def _error(event: TokenEvent) -> ApiError:
@@ -87,6 +89,8 @@ async def start(
     token_ids: list[int] | None = None,
     tokens_before: int = 0,
     client_id: str | None = None,
+    truncate: int | None = None,
+    return_prompt: bool = False,
 ) -> InFlight:
     """Resolve the model, check the prompt, publish the request."""
     model = service.resolve(model_name)
@@ -101,6 +105,8 @@ async def start(
         timeout_s=parameters.given("timeout"),
         tokens_before=tokens_before,
         client_id=client_id,
+        truncate=truncate,
+        return_prompt=return_prompt,
     )
 
 
@@ -108,6 +114,7 @@ async def complete(service: GatewayService, inflight: InFlight, connection: HTTP
     """Every event of the request, as one answer; an error event raises ApiError."""
     token_ids: list[int] = []
     pieces: list[str] = []
+    events: list[TokenEvent] = []
     last: TokenEvent | None = None
     prompt_tokens = 0
 
@@ -117,6 +124,7 @@ async def complete(service: GatewayService, inflight: InFlight, connection: HTTP
             if event.error is not None:
                 raise _error(event)
             prompt_tokens = event.prompt_tokens or prompt_tokens
+            events.append(event)
             token_ids.extend(event.token_ids)
             pieces.append(event.text)
             last = event
@@ -127,7 +135,7 @@ async def complete(service: GatewayService, inflight: InFlight, connection: HTTP
         service.finish(inflight)
     assert last is not None and last.finish_reason is not None
     generated = last.index + len(last.token_ids)
-    return Completion(token_ids, "".join(pieces), last.finish_reason, generated, prompt_tokens)
+    return Completion(token_ids, "".join(pieces), last.finish_reason, generated, prompt_tokens, events)
 
 
 async def _unless_gone(awaitable: Awaitable[T], connection: HTTPConnection) -> T:
@@ -150,6 +158,17 @@ async def _unless_gone(awaitable: Awaitable[T], connection: HTTPConnection) -> T
 def sse(obj: dict, space: bool) -> str:
     """One server-sent event: `data: {...}` on the native routes, `data:{...}` on the Triton ones."""
     return ("data: " if space else "data:") + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def sse_response(objects: AsyncIterator[dict | str], space: bool) -> StreamingResponse:
+    """Stream objects as server-sent events; closing them (the client left) tells the worker to stop."""
+
+    async def frames() -> AsyncIterator[str]:
+        async with aclosing(objects):
+            async for obj in objects:
+                yield f"data: {obj}\n\n" if isinstance(obj, str) else sse(obj, space)
+
+    return StreamingResponse(frames(), media_type="text/event-stream")
 
 
 def error_object(event: TokenEvent) -> dict:

@@ -69,6 +69,8 @@ class GenerationRequest(_Message):
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
     chat_messages: list[ChatMessage] | None = None
+    truncate: int | None = Field(default=None, gt=0)  # keep only the prompt's last N tokens (TGI)
+    return_prompt: bool = False  # the first event lists the prompt's tokens (TGI's decoder_input_details)
     sampling: SamplingParams
     priority: int = Field(default=5, ge=1, le=5)
     # A recomputation continues a generation that broke off: this many tokens
@@ -119,6 +121,7 @@ class TokenEvent(BaseModel):
     token_ids: list[int] = []
     text: str = ""  # the new text these tokens complete; never half a character
     prompt_tokens: int | None = None  # on the first event
+    prompt: list[tuple[int, str]] | None = None  # on the first event when asked: each prompt token and its text
     prefill_time_ms: float | None = None  # first token: arrival at the worker to token
     decode_time_ms: float | None = None  # later tokens: since the previous token
     queue_wait_us: int = 0  # how long the sequence waited before this step ran

@@ -85,6 +85,7 @@ class RouteParameters(BaseModel):
             repetition_penalty=or_default("repetition_penalty", 1.0),
             seed=or_default("seed", seed),
             max_new_tokens=or_default("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+            stop=or_default("stop", []),
         )
 
     @property

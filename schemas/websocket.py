@@ -1,15 +1,23 @@
-"""Messages of the WebSocket endpoint `/ws`.
+"""Messages of the WebSocket endpoint `/ws`: every streaming API, several streams per socket.
 
 Client to server, one JSON object per text message:
 - `{"op": "generate_stream", "model": NAME, "id": ..., "text_input": ..., "parameters": {...}}`:
-  start a stream; the fields after `model` are generate_stream's body.
-- `{"op": "cancel", "id": ...}`: stop that stream.
+  start a Triton generate_stream; the fields after `model` are its body.
+- `{"op": OP, "id": ..., "body": {...}}` with OP one of `infer` (MindIE's
+  /infer and /infer_token body), `tgi` (TGI's /generate_stream body),
+  `completions` and `chat.completions` (OpenAI's bodies; `stream` need not be
+  set): start that API's stream.
+- `{"op": "cancel", "id": ...}`: stop that stream (its worker stops within a step).
 
 Server to client:
-- `{"id": ..., "data": {...}}`: one event, the same object generate_stream
-  sends as SSE `data:` (or `{"error", "error_type"}` when the stream failed);
+- `{"id": ..., "data": {...}}`: one event, the object that API's SSE stream
+  sends as `data:` (OpenAI's chunks, without `[DONE]`), or an error object
+  in that API's shape;
 - `{"id": ..., "done": true}`: the stream with that id has ended.
-Several streams may run at once over one socket; `id` tells them apart.
+`id` (1-256 of A-Z a-z 0-9 _ -) tells streams apart; absent, the server makes
+one up. The server pings every 20 s; it closes with 1000 when the client
+does, 1008 without a valid API key (when keys are configured), 1011 on an
+internal error.
 """
 
 from __future__ import annotations
@@ -18,12 +26,43 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from schemas.mindie import InferTokenRequest
+from schemas.openai import ChatCompletionRequest, CompletionRequest
+from schemas.tgi import TgiRequest
 from schemas.triton import REQUEST_ID_PATTERN, GenerateStreamRequest
+
+StreamId = Annotated[str | None, Field(pattern=REQUEST_ID_PATTERN)]
 
 
 class WsGenerateStream(GenerateStreamRequest):
     op: Literal["generate_stream"]
     model: str
+
+
+class _WsOp(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: StreamId = None
+
+
+class WsInfer(_WsOp):
+    op: Literal["infer"]
+    body: InferTokenRequest
+
+
+class WsTgi(_WsOp):
+    op: Literal["tgi"]
+    body: TgiRequest
+
+
+class WsCompletions(_WsOp):
+    op: Literal["completions"]
+    body: CompletionRequest
+
+
+class WsChatCompletions(_WsOp):
+    op: Literal["chat.completions"]
+    body: ChatCompletionRequest
 
 
 class WsCancel(BaseModel):
@@ -33,4 +72,5 @@ class WsCancel(BaseModel):
     id: str = Field(pattern=REQUEST_ID_PATTERN)
 
 
-WsClientMessage = TypeAdapter(Annotated[WsGenerateStream | WsCancel, Field(discriminator="op")])
+WsStart = WsGenerateStream | WsInfer | WsTgi | WsCompletions | WsChatCompletions
+WsClientMessage = TypeAdapter(Annotated[WsStart | WsCancel, Field(discriminator="op")])

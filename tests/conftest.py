@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import REPO, Process, free_port, spawn_tokenrelay
+from tests.processes import REPO, Process, free_port, serving, spawn_tokenrelay
 
 
 def _docker_answers() -> bool:
@@ -82,3 +82,10 @@ def spawn(tmp_path: Path) -> Iterator:
     yield start
     for process in started:
         process.stop()
+
+
+@pytest.fixture(scope="session")
+def compat_server(tmp_path_factory):
+    """One `tokenrelay serve` for the OpenAI and TGI client tests (two names for the bundled model)."""
+    with serving(tmp_path_factory.mktemp("compat"), "--served-model-name", "tokenrelay-tiny", "gpt-tiny") as served:
+        yield served

@@ -148,24 +148,49 @@ def test_priority_reaches_the_worker(deployment):
     assert any(e["priority"] == 1 for e in deployment.worker.events_named("request_admitted"))
 
 
-def test_websocket_runs_streams_side_by_side_and_cancels_one(deployment):
+def _ws_streams() -> dict[str, dict]:
+    """Ten streams for one socket: every streaming API twice (greedy, 12 tokens), and one to cancel."""
+    greedy = {"max_new_tokens": 12}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 12, "temperature": 0}
+    triton = {"op": "generate_stream", "model": MODEL, "text_input": LONG_PROMPT}
+    streams = {}
+    for i in range(2):
+        streams[f"triton{i}"] = {**triton, "parameters": greedy}
+        streams[f"infer{i}"] = {"op": "infer", "body": {"inputs": LONG_PROMPT, "stream": True, "parameters": greedy}}
+        streams[f"tgi{i}"] = {"op": "tgi", "body": {"inputs": LONG_PROMPT, "parameters": greedy}}
+        streams[f"completions{i}"] = {
+            "op": "completions",
+            "body": {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0},
+        }
+    streams["chat"] = {"op": "chat.completions", "body": chat}
+    streams["stop"] = {**triton, "parameters": {"max_new_tokens": 400}}
+    return streams
+
+
+def _ws_text(stream_id: str, events: list[dict]) -> str:
+    """The text a stream of that API carried."""
+    api = stream_id.rstrip("0123456789")
+    if api == "triton":
+        return "".join(e["text_output"] for e in events)
+    if api == "infer":
+        return events[-1]["generated_text"]
+    if api == "tgi":
+        return "".join(e["token"]["text"] for e in events)
+    if api == "completions":
+        return "".join(e["choices"][0]["text"] for e in events)
+    return "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+
+
+def test_websocket_runs_every_streaming_api_side_by_side_and_cancels_one(deployment):
+    streams = _ws_streams()
+
     async def scenario() -> dict[str, list[dict]]:
-        received: dict[str, list[dict]] = {"keep": [], "stop": []}
+        received: dict[str, list[dict]] = {stream_id: [] for stream_id in streams}
         done: set[str] = set()
         async with websockets.connect(deployment.ws_url) as socket:
-            for stream_id, tokens in (("keep", 12), ("stop", 400)):  # LONG_PROMPT: no early EOS
-                await socket.send(
-                    json.dumps(
-                        {
-                            "op": "generate_stream",
-                            "model": MODEL,
-                            "id": stream_id,
-                            "text_input": LONG_PROMPT,
-                            "parameters": {"max_new_tokens": tokens, "details": True},
-                        }
-                    )
-                )
-            while done != {"keep", "stop"}:
+            for stream_id, message in streams.items():
+                await socket.send(json.dumps({**message, "id": stream_id}))
+            while done != set(streams):
                 message = json.loads(await asyncio.wait_for(socket.recv(), 60))
                 if message.get("done"):
                     done.add(message["id"])
@@ -177,8 +202,12 @@ def test_websocket_runs_streams_side_by_side_and_cancels_one(deployment):
 
     cancelled_before = len(_finished(deployment.worker, "stop_sequence"))
     received = asyncio.run(scenario())
-    assert "".join(e["text_output"] for e in received["keep"]) == greedy_text(LONG_PROMPT, 12)
-    assert received["keep"][-1]["details"]["finish_reason"] == "length"
+    expected = greedy_text(LONG_PROMPT, 12)
+    for stream_id in streams.keys() - {"chat", "stop"}:
+        assert _ws_text(stream_id, received[stream_id]) == expected, stream_id
+    assert received["chat"][0]["choices"][0]["delta"]["role"] == "assistant"
+    assert received["chat"][-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert _ws_text("chat", received["chat"])
     assert 3 <= len(received["stop"]) < 400
     _wait_for(lambda: len(_finished(deployment.worker, "stop_sequence")) > cancelled_before)
 

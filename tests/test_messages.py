@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from schemas.messages import (
     CancelRequest,
+    ChatMessage,
     FinishReason,
     GenerationRequest,
     SamplingParams,
@@ -53,10 +54,15 @@ def test_seed_keeps_all_64_bits():
 
 
 def test_a_request_has_exactly_one_prompt():
-    with pytest.raises(ValidationError, match="exactly one of prompt_text and prompt_token_ids"):
+    one = "exactly one of prompt_text, prompt_token_ids and chat_messages"
+    with pytest.raises(ValidationError, match=one):
         _request(prompt_token_ids=[1])
-    with pytest.raises(ValidationError, match="exactly one of prompt_text and prompt_token_ids"):
+    with pytest.raises(ValidationError, match=one):
+        _request(chat_messages=[ChatMessage(role="user", content="hi")])
+    with pytest.raises(ValidationError, match=one):
         _request(prompt_text=None)
+    chat = _request(prompt_text=None, chat_messages=[ChatMessage(role="user", content="hi")])
+    assert decode(encode(chat)) == chat
 
 
 def test_unknown_wire_version_is_refused():

@@ -11,16 +11,13 @@ import httpx
 import openai
 import pytest
 
-from tests.processes import serving
-
 MODEL = "tokenrelay-tiny"
 PROMPT = "The following example"  # greedy: no EOS for hundreds of tokens
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("openai"), "--served-model-name", MODEL, "gpt-tiny") as served:
-        yield served
+def server(compat_server):
+    return compat_server
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import sys
 import uuid
 from pathlib import Path
@@ -30,6 +31,7 @@ import uvicorn
 from bus.base import Bus
 from bus.inprocess import InProcessBus
 from bus.kafka import KafkaBus, KafkaSettings
+from gateway.api_keys import load_keys
 from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
@@ -99,6 +101,11 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
         default="/data/multimodal_inputs",
         help="the only directory multimodal input may read local files from",
     )
+    _option(parser, "--api-keys", nargs="+", default=[], help="API keys clients must send (Bearer); none: open")
+    _option(parser, "--api-keys-file", default="", help="a file of API keys, one per line (with --api-keys, all count)")
+    _option(parser, "--tls-cert", default="", help="PEM certificate chain: serve https (with --tls-key)")
+    _option(parser, "--tls-key", default="", help="PEM private key of --tls-cert")
+    _option(parser, "--tls-ca", default="", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     _option(
         parser,
         "--allowed-media-domains",
@@ -285,9 +292,37 @@ def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
             allowed_domains=MediaPolicy.parse_domains(args.allowed_media_domains),
         )
     )
-    app = create_app(GatewayService(bus, settings), media, max_request_bytes=args.max_request_length * 1024 * 1024)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False)
+    app = create_app(
+        GatewayService(bus, settings),
+        media,
+        max_request_bytes=args.max_request_length * 1024 * 1024,
+        api_keys=load_keys(args.api_keys, args.api_keys_file),
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        ws_ping_interval=20.0,  # WebSocket clients are pinged; one silent for 20 s more is closed
+        ws_ping_timeout=20.0,
+        **_tls(args),
+    )
     return _Server(config)
+
+
+def _tls(args: argparse.Namespace) -> dict:
+    """uvicorn's TLS settings: https with --tls-cert/--tls-key; client certificates required with --tls-ca."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    if args.tls_ca and not args.tls_cert:
+        raise SystemExit("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+    if not args.tls_cert:
+        return {}
+    tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
+    if args.tls_ca:
+        tls |= {"ssl_ca_certs": args.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return tls
 
 
 class _Server(uvicorn.Server):

@@ -11,9 +11,11 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import HTTPConnection
 
 from gateway.errors import ErrorBody
-from gateway.generation import complete, error_object, prompt_text, sse, start, stream
+from gateway.generation import complete, error_object, prompt_text, sse_response, start, stream
+from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.service import GatewayService
 from schemas.messages import FinishReason
@@ -36,35 +38,28 @@ def _details(finish_reason: FinishReason, generated_tokens: int, seed: int) -> d
     return {"finish_reason": finish_reason.value, "generated_tokens": generated_tokens, "seed": seed}
 
 
-@router.post("/infer_token", response_model=None, responses=_RESPONSES)
-@router.post("/infer", response_model=None, responses=_RESPONSES)
-async def infer_token(body: InferTokenRequest, request: Request) -> JSONResponse | StreamingResponse:
-    """Generate from token ids (`input_id`) or text (`inputs`); one answer, or events with `stream`."""
-    service: GatewayService = request.app.state.gateway
+async def _start(connection: HTTPConnection, body: InferTokenRequest) -> InFlight:
+    service: GatewayService = connection.app.state.gateway
     model = service.default_model_name()
-    parameters = body.parameters
     if body.input_id is not None:
-        inflight = await start(service, model, parameters, token_ids=body.input_id)
-    else:
-        text = await prompt_text(body.inputs, model, request.app.state.media)
-        inflight = await start(service, model, parameters, text=text)
+        return await start(service, model, body.parameters, token_ids=body.input_id)
+    text = await prompt_text(body.inputs, model, connection.app.state.media)
+    return await start(service, model, body.parameters, text=text)
+
+
+async def stream_objects(connection: HTTPConnection, body: InferTokenRequest) -> AsyncIterator[dict]:
+    """Submit the body and render its events as streamed objects (an ApiError raises before the first)."""
+    service: GatewayService = connection.app.state.gateway
+    inflight = await _start(connection, body)
     seed = inflight.request.sampling.seed
+    events = await stream(service, inflight, connection)
 
-    if not body.stream:
-        done = await complete(service, inflight, request)
-        answer: dict = {"generated_text": done.text}
-        if parameters.wants_details:
-            answer["details"] = _details(done.finish_reason, done.generated_tokens, seed)
-        return JSONResponse(answer)
-
-    events = await stream(service, inflight, request)
-
-    async def frames() -> AsyncIterator[str]:
+    async def render() -> AsyncIterator[dict]:
         so_far = ""
         async with aclosing(events):  # closing it tells the worker to stop, if it has not ended
             async for event in events:
                 if event.error is not None:
-                    yield sse(error_object(event), space=True)
+                    yield error_object(event)
                     continue
                 so_far += event.text
                 obj: dict = {"prefill_time": event.prefill_time_ms, "decode_time": event.decode_time_ms}
@@ -74,10 +69,24 @@ async def infer_token(body: InferTokenRequest, request: Request) -> JSONResponse
                 else:  # the last event: the whole text, details, and a token whose text is null
                     obj["generated_text"] = so_far
                     generated = event.index + len(event.token_ids)
-                    obj["details"] = (
-                        _details(event.finish_reason, generated, seed) if parameters.wants_details else None
-                    )
+                    wanted = body.parameters.wants_details
+                    obj["details"] = _details(event.finish_reason, generated, seed) if wanted else None
                     obj["token"] = {"id": event.token_ids, "text": None}
-                yield sse(obj, space=True)
+                yield obj
 
-    return StreamingResponse(frames(), media_type="text/event-stream")
+    return render()
+
+
+@router.post("/infer_token", response_model=None, responses=_RESPONSES)
+@router.post("/infer", response_model=None, responses=_RESPONSES)
+async def infer_token(body: InferTokenRequest, request: Request) -> JSONResponse | StreamingResponse:
+    """Generate from token ids (`input_id`) or text (`inputs`); one answer, or events with `stream`."""
+    if body.stream:
+        return sse_response(await stream_objects(request, body), space=True)
+    service: GatewayService = request.app.state.gateway
+    inflight = await _start(request, body)
+    done = await complete(service, inflight, request)
+    answer: dict = {"generated_text": done.text}
+    if body.parameters.wants_details:
+        answer["details"] = _details(done.finish_reason, done.generated_tokens, inflight.request.sampling.seed)
+    return JSONResponse(answer)

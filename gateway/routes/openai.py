@@ -8,16 +8,17 @@ limits), else `stop` (EOS, a stop string or a stop token).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.requests import HTTPConnection
 
 from gateway.errors import openai_error_body
-from gateway.generation import check_prompt_tokens, complete, stream
+from gateway.generation import check_prompt_tokens, complete, sse_response, stream
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.service import GatewayService
@@ -56,8 +57,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     )
 
 
-async def _submit(request: Request, body: CompletionRequest | ChatCompletionRequest) -> InFlight:
-    service: GatewayService = request.app.state.gateway
+async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatCompletionRequest) -> InFlight:
+    service: GatewayService = connection.app.state.gateway
     model = service.resolve(body.model)
     prompt: dict = {}
     if isinstance(body, ChatCompletionRequest):
@@ -75,33 +76,72 @@ async def _submit(request: Request, body: CompletionRequest | ChatCompletionRequ
     )
 
 
-def _sse(obj: dict | str) -> str:
-    return "data: " + (obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)) + "\n\n"
-
-
 async def _chunks(
-    request: Request, inflight: InFlight, render, include_usage: bool, first: dict | None = None
-) -> StreamingResponse:
-    """The request's events as OpenAI chunks (`render(event)` makes one), `[DONE]` last."""
-    service: GatewayService = request.app.state.gateway
-    events = await stream(service, inflight, request)  # an error before the first token raises here
+    connection: HTTPConnection, inflight: InFlight, render, include_usage: bool, first: dict | None = None
+) -> AsyncIterator[dict]:
+    """The request's events as OpenAI chunks (`render(event)` makes one); an error before the first raises."""
+    service: GatewayService = connection.app.state.gateway
+    events = await stream(service, inflight, connection)
 
-    async def frames() -> AsyncIterator[str]:
+    async def chunks() -> AsyncIterator[dict]:
         prompt_tokens, generated = 0, 0
         if first is not None:
-            yield _sse(first)
-        async for event in events:
-            if event.error is not None:
-                yield _sse(openai_error_body(event.error.status, event.error.error_type, event.error.message))
-                break
-            prompt_tokens = event.prompt_tokens or prompt_tokens
-            generated += len(event.token_ids)
-            yield _sse(render(event))
+            yield first
+        async with aclosing(events):
+            async for event in events:
+                if event.error is not None:
+                    yield openai_error_body(event.error.status, event.error.error_type, event.error.message)
+                    return
+                prompt_tokens = event.prompt_tokens or prompt_tokens
+                generated += len(event.token_ids)
+                yield render(event)
         if include_usage:
-            yield _sse(render(None) | {"choices": [], "usage": _usage(prompt_tokens, generated).model_dump()})
-        yield _sse("[DONE]")
+            yield render(None) | {"choices": [], "usage": _usage(prompt_tokens, generated).model_dump()}
 
-    return StreamingResponse(frames(), media_type="text/event-stream")
+    return chunks()
+
+
+def _with_done(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """OpenAI's SSE: the chunks, then `data: [DONE]`."""
+
+    async def objects() -> AsyncIterator[dict | str]:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+        yield "[DONE]"
+
+    return sse_response(objects(), space=True)
+
+
+async def completion_chunks(connection: HTTPConnection, body: CompletionRequest) -> AsyncIterator[dict]:
+    """A streamed completion's chunks (also what the WebSocket sends)."""
+    inflight = await _submit(connection, body)
+    completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(event: TokenEvent | None) -> dict:
+        choice = CompletionChoice(
+            index=0, text=event.text if event else "", finish_reason=_finish_reason(event and event.finish_reason)
+        )
+        return Completion(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump()
+
+    return await _chunks(connection, inflight, chunk, body.include_usage)
+
+
+async def chat_chunks(connection: HTTPConnection, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+    """A streamed chat completion's chunks (also what the WebSocket sends): the role first."""
+    inflight = await _submit(connection, body)
+    completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(event: TokenEvent | None, delta: Delta | None = None) -> dict:
+        if delta is None:
+            delta = Delta(content=event.text) if event else Delta()
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=_finish_reason(event and event.finish_reason))
+        return ChatCompletionChunk(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump(
+            exclude_none=True
+        )
+
+    role = chunk(None, Delta(role="assistant", content=""))
+    return await _chunks(connection, inflight, chunk, body.include_usage, first=role)
 
 
 @router.post(
@@ -111,17 +151,10 @@ async def _chunks(
 )
 async def completions(body: CompletionRequest, request: Request):
     """Complete a prompt (OpenAI's legacy completions), at once or as a stream."""
+    if body.stream:
+        return _with_done(await completion_chunks(request, body))
     inflight = await _submit(request, body)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def chunk(event: TokenEvent | None) -> dict:
-        text = event.text if event else ""
-        reason = _finish_reason(event.finish_reason) if event else None
-        choice = CompletionChoice(index=0, text=text, finish_reason=reason)
-        return Completion(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump()
-
-    if body.stream:
-        return await _chunks(request, inflight, chunk, body.include_usage)
     done = await complete(request.app.state.gateway, inflight, request)
     choice = CompletionChoice(index=0, text=done.text, finish_reason=_finish_reason(done.finish_reason))
     usage = _usage(done.prompt_tokens, len(done.token_ids))
@@ -138,20 +171,10 @@ async def completions(body: CompletionRequest, request: Request):
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """Answer a conversation, rendered with the model's chat template, at once or as a stream."""
+    if body.stream:
+        return _with_done(await chat_chunks(request, body))
     inflight = await _submit(request, body)
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def chunk(event: TokenEvent | None, delta: Delta | None = None) -> dict:
-        if delta is None:
-            delta = Delta(content=event.text) if event else Delta()
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=_finish_reason(event and event.finish_reason))
-        return ChatCompletionChunk(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump(
-            exclude_none=True
-        )
-
-    if body.stream:
-        role = chunk(None, Delta(role="assistant", content=""))
-        return await _chunks(request, inflight, chunk, body.include_usage, first=role)
     done = await complete(request.app.state.gateway, inflight, request)
     choice = ChatChoice(
         index=0, message=AssistantMessage(content=done.text), finish_reason=_finish_reason(done.finish_reason)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.errors import ErrorBody, not_found
-from gateway.generation import complete, error_object, prompt_text, sse, start, stream
+from gateway.generation import complete, error_object, prompt_text, sse_response, start, stream
 from gateway.openapi import event_stream
 from gateway.service import GatewayService
 from schemas.messages import TokenEvent
@@ -105,14 +105,7 @@ async def generate(model: str, body: GenerateRequest, request: Request) -> JSONR
 )
 async def generate_stream(model: str, body: GenerateStreamRequest, request: Request) -> StreamingResponse:
     """Generate text for a prompt and stream it as server-sent events, `data:{...}` per token."""
-    objects = await stream_objects(request, model, body)
-
-    async def frames() -> AsyncIterator[str]:
-        async with aclosing(objects):  # closing it tells the worker to stop, if it has not ended
-            async for obj in objects:
-                yield sse(obj, space=False)
-
-    return StreamingResponse(frames(), media_type="text/event-stream")
+    return sse_response(await stream_objects(request, model, body), space=False)
 
 
 @router.post("/v2/models/{model}/infer", response_model=InferResponse, responses=_ERRORS)

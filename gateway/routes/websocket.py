@@ -1,4 +1,4 @@
-"""`/ws`: generate_stream over a WebSocket, several streams per socket (see schemas/websocket.py)."""
+"""`/ws`: every streaming API over a WebSocket, several streams per socket (see schemas/websocket.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,19 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from gateway.errors import VALIDATION_ERROR, ApiError, ErrorBody, describe_validation_error
-from gateway.routes.triton import stream_objects
+from gateway.errors import VALIDATION_ERROR, ApiError, describe_validation_error, openai_error_body
+from gateway.routes import mindie, openai, tgi, triton
 from schemas.triton import GenerateStreamRequest
-from schemas.websocket import WsCancel, WsClientMessage, WsGenerateStream
+from schemas.websocket import (
+    WsCancel,
+    WsChatCompletions,
+    WsClientMessage,
+    WsCompletions,
+    WsGenerateStream,
+    WsInfer,
+    WsStart,
+    WsTgi,
+)
 
 router = APIRouter(tags=["WebSocket"])
 log = structlog.get_logger(__name__)
@@ -32,8 +41,12 @@ class _Socket:
         async with self._send_lock:
             await self._websocket.send_json(message)
 
-    async def fail(self, stream_id: str | None, error_type: str, message: str) -> None:
-        await self.send({"id": stream_id, "data": ErrorBody(error=message, error_type=error_type).model_dump()})
+    async def fail(self, stream_id: str | None, error: ApiError, openai_shape: bool = False) -> None:
+        if openai_shape:
+            data = openai_error_body(error.status, error.body.error_type, error.body.error)
+        else:
+            data = error.body.model_dump()
+        await self.send({"id": stream_id, "data": data})
         if stream_id is not None:
             await self.send({"id": stream_id, "done": True})
 
@@ -42,7 +55,7 @@ class _Socket:
             message = WsClientMessage.validate_json(raw)
         except ValidationError as error:
             text = "; ".join(describe_validation_error(e) for e in error.errors())
-            await self.fail(None, VALIDATION_ERROR, text)
+            await self.fail(None, ApiError(422, VALIDATION_ERROR, text))
             return
         if isinstance(message, WsCancel):
             task = self.streams.get(message.id)
@@ -51,20 +64,35 @@ class _Socket:
             return
         stream_id = message.id or uuid.uuid4().hex
         if stream_id in self.streams:
-            await self.fail(None, VALIDATION_ERROR, f"id {stream_id} is already streaming on this socket")
+            message_text = f"id {stream_id} is already streaming on this socket"
+            await self.fail(None, ApiError(422, VALIDATION_ERROR, message_text))
             return
         self.streams[stream_id] = asyncio.create_task(self._stream(stream_id, message))
 
-    async def _stream(self, stream_id: str, message: WsGenerateStream) -> None:
-        body = GenerateStreamRequest(id=stream_id, text_input=message.text_input, parameters=message.parameters)
+    async def _objects(self, stream_id: str, message: WsStart):
+        """The stream's objects, from the route module of its API."""
+        connection = self._websocket
+        if isinstance(message, WsGenerateStream):
+            body = GenerateStreamRequest(id=stream_id, text_input=message.text_input, parameters=message.parameters)
+            return await triton.stream_objects(connection, message.model, body)
+        if isinstance(message, WsInfer):
+            return await mindie.stream_objects(connection, message.body)
+        if isinstance(message, WsTgi):
+            return await tgi.stream_objects(connection, message.body)
+        if isinstance(message, WsCompletions):
+            return await openai.completion_chunks(connection, message.body)
+        assert isinstance(message, WsChatCompletions)
+        return await openai.chat_chunks(connection, message.body)
+
+    async def _stream(self, stream_id: str, message: WsStart) -> None:
         try:
-            objects = await stream_objects(self._websocket, message.model, body)
+            objects = await self._objects(stream_id, message)
             async with aclosing(objects):  # closing it tells the worker to stop, if it has not ended
                 async for obj in objects:
                     await self.send({"id": stream_id, "data": obj})
             await self.send({"id": stream_id, "done": True})
         except ApiError as error:
-            await self.fail(stream_id, error.body.error_type, error.body.error)
+            await self.fail(stream_id, error, openai_shape=isinstance(message, WsCompletions | WsChatCompletions))
         except asyncio.CancelledError:
             if not self.closed:  # cancelled by the client's message, not by the socket closing
                 await self.send({"id": stream_id, "done": True})

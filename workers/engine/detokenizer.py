@@ -24,6 +24,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_one(self, token_id: int) -> str:
+        """One token's own text, special tokens included (to list a prompt token by token)."""
+        return self._tokenizer.decode([token_id])
+
     def add(self, token_id: int) -> str:
         """The text that `token_id` completes; "" while a character is still incomplete."""
         self._ids.append(token_id)

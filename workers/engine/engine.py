@@ -160,6 +160,8 @@ class Engine:
             prompt_ids = self._render_chat(request)
         else:
             prompt_ids = tokenizer(request.prompt_text)["input_ids"]
+        if request.truncate is not None:
+            prompt_ids = prompt_ids[-request.truncate :]
         if not prompt_ids:
             raise _Rejected(request, "the prompt has no tokens")
         if len(prompt_ids) > self.max_input_len:

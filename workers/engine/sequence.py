@@ -79,6 +79,10 @@ class Sequence:
             text += self.stop_strings.flush()
         return text, finish
 
+    def _prompt_pieces(self) -> list[tuple[int, str]]:
+        decode = self.detokenizer.decode_one
+        return [(token_id, decode(token_id)) for token_id in self.prompt_ids]
+
     @property
     def next_index(self) -> int:
         """The request-wide index of the next token (recomputed tokens count)."""
@@ -108,6 +112,7 @@ class Sequence:
             token_ids=[token_id],
             text=text,
             prompt_tokens=len(self.prompt_ids) if first else None,
+            prompt=self._prompt_pieces() if first and self.request.return_prompt else None,
             prefill_time_ms=since_previous * 1000 if first_of_request else None,
             decode_time_ms=None if first_of_request else since_previous * 1000,
             queue_wait_us=int(max(0.0, waited) * 1e6),

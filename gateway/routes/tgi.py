@@ -1,0 +1,133 @@
+"""TGI-compatible routes: POST /generate, POST /generate_stream, and POST / (TGI's: either, by `stream`).
+
+They serve the default model (`--default-model`, or the only one served), as
+TGI serves its one model. `huggingface_hub.InferenceClient(base_url)` posts
+to `/`. A stream's events each carry one token; the last also carries
+`generated_text` and, when asked, `details`. A last event without a token of
+its own (the request was stopped) carries an empty special token with id -1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import HTTPConnection
+
+from gateway.errors import ErrorBody, unprocessable
+from gateway.generation import complete, error_object, sse_response, start, stream
+from gateway.inflight import InFlight
+from gateway.openapi import event_stream
+from gateway.service import GatewayService
+from schemas.messages import FinishReason, TokenEvent
+from schemas.tgi import TgiRequest, TgiResponse, TgiStreamEvent
+
+router = APIRouter(tags=["TGI-compatible"])
+
+_ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 424, 429, 500, 503, 504)}
+_NO_TOKEN = {"id": -1, "text": "", "logprob": None, "special": True}
+
+
+def _finish(reason: FinishReason) -> str:
+    return {FinishReason.EOS_TOKEN: "eos_token", FinishReason.STOP_SEQUENCE: "stop_sequence"}.get(reason, "length")
+
+
+def _tokens(event: TokenEvent) -> list[dict]:
+    """One TGI token per generated token; a multi-token event's text goes with its last token."""
+    special = event.finish_reason == FinishReason.EOS_TOKEN
+    last = len(event.token_ids) - 1
+    return [
+        {"id": t, "text": event.text if i == last else "", "logprob": None, "special": special and i == last}
+        for i, t in enumerate(event.token_ids)
+    ]
+
+
+async def _submit(connection: HTTPConnection, body: TgiRequest) -> InFlight:
+    service: GatewayService = connection.app.state.gateway
+    parameters = body.parameters
+    return await start(
+        service,
+        service.default_model_name(),
+        parameters,
+        text=body.inputs,
+        truncate=parameters.truncate,
+        return_prompt=bool(parameters.decoder_input_details),
+    )
+
+
+def _seed(inflight: InFlight) -> int | None:
+    sampling = inflight.request.sampling
+    return sampling.seed if sampling.do_sample else None
+
+
+async def stream_objects(connection: HTTPConnection, body: TgiRequest) -> AsyncIterator[dict]:
+    """Submit the body and render its events as stream objects (an ApiError raises before the first)."""
+    if body.parameters.decoder_input_details:
+        raise unprocessable("parameters.decoder_input_details cannot be used with a stream")
+    service: GatewayService = connection.app.state.gateway
+    inflight = await _submit(connection, body)
+    events = await stream(service, inflight, connection)
+    prefix = body.inputs if body.parameters.return_full_text else ""
+
+    async def render() -> AsyncIterator[dict]:
+        text = prefix
+        async for event in events:
+            if event.error is not None:
+                yield error_object(event)
+                break
+            text += event.text
+            tokens = _tokens(event) or [_NO_TOKEN]
+            for i, token in enumerate(tokens):
+                out: dict = {"token": token, "generated_text": None, "details": None}
+                if event.finish_reason is not None and i == len(tokens) - 1:
+                    out["generated_text"] = text
+                    if body.parameters.details:
+                        generated = event.index + len(event.token_ids)
+                        out["details"] = {
+                            "finish_reason": _finish(event.finish_reason),
+                            "generated_tokens": generated,
+                            "seed": _seed(inflight),
+                        }
+                yield out
+
+    return render()
+
+
+@router.post(
+    "/generate",
+    response_model=TgiResponse,
+    responses={200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream."), **_ERRORS},
+)
+async def generate(body: TgiRequest, request: Request):
+    """Generate text for `inputs` and answer with all of it (or stream it, with `stream`)."""
+    if body.stream:
+        return sse_response(await stream_objects(request, body), space=False)
+    service: GatewayService = request.app.state.gateway
+    inflight = await _submit(request, body)
+    done = await complete(service, inflight, request)
+    text = (body.inputs if body.parameters.return_full_text else "") + done.text
+    answer: dict = {"generated_text": text}
+    if body.parameters.details:
+        first = done.events[0] if done.events else None
+        answer["details"] = {
+            "finish_reason": _finish(done.finish_reason),
+            "generated_tokens": done.generated_tokens,
+            "seed": _seed(inflight),
+            "prompt_tokens": done.prompt_tokens,
+            "prefill": [{"id": i, "text": t, "logprob": None} for i, t in (first.prompt or [])] if first else [],
+            "tokens": [token for event in done.events for token in _tokens(event)],
+        }
+    return JSONResponse(answer)
+
+
+router.post("/", response_model=TgiResponse, responses=_ERRORS, summary="Generate (TGI's root route)")(generate)
+
+
+@router.post(
+    "/generate_stream",
+    responses={200: event_stream(TgiStreamEvent, "One `data:{...}` event per token."), **_ERRORS},
+)
+async def generate_stream(body: TgiRequest, request: Request) -> StreamingResponse:
+    """Generate text for `inputs` and stream it as server-sent events, one token per event."""
+    return sse_response(await stream_objects(request, body), space=False)

@@ -1,0 +1,111 @@
+"""TGI-compatible bodies: POST /generate and POST /generate_stream, as MindIE serves them (TGI 0.9.4).
+
+Parameters and ranges are TGI's (see ../shared/spec/API.md); unknown fields
+are refused, never ignored. Token log-probabilities are not computed: they
+are `null`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from schemas.parameters import (
+    STRICT,
+    Details,
+    DoSample,
+    MaxNewTokens,
+    RepetitionPenalty,
+    RouteParameters,
+    Seed,
+    Temperature,
+    TopK,
+    TopPBelowOne,
+    TypicalP,
+    Watermark,
+)
+
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+
+
+class TgiParameters(RouteParameters):
+    details: Details = None
+    decoder_input_details: bool | None = Field(None, description="Also the prompt's tokens (not with a stream).")
+    do_sample: DoSample = None
+    max_new_tokens: MaxNewTokens = None
+    repetition_penalty: RepetitionPenalty = None
+    return_full_text: bool | None = Field(None, description="Prepend the prompt to generated_text.")
+    seed: Seed = None
+    stop: list[StopString] = Field([], max_length=4, description="Generation ends before the first of these.")
+    temperature: Temperature = None
+    top_k: TopK = None
+    top_p: TopPBelowOne = None
+    truncate: int | None = Field(None, gt=0, description="Keep only the prompt's last N tokens.")
+    typical_p: TypicalP = None
+    watermark: Watermark = None
+
+    @field_validator("typical_p")
+    @classmethod
+    def _typical_below_one(cls, value: float | None) -> float | None:
+        if value is not None and value >= 1.0:
+            raise ValueError("typical_p must be in (0, 1)")
+        return value
+
+
+class TgiRequest(BaseModel):
+    model_config = STRICT
+
+    inputs: str = Field(min_length=1, max_length=512 * 1024)
+    parameters: TgiParameters = TgiParameters()
+    stream: bool = Field(False, description="On /generate: answer as /generate_stream would.")
+
+    @model_validator(mode="after")
+    def _no_input_details_when_streaming(self) -> TgiRequest:
+        if self.parameters.decoder_input_details and self.stream:
+            raise ValueError("decoder_input_details cannot be used with a stream")
+        return self
+
+
+class TgiToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None  # not computed
+    special: bool
+
+
+class PrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None
+
+
+class TgiDetails(BaseModel):
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None  # the seed drawn with, when sampling
+    prompt_tokens: int | None = None
+    prefill: list[PrefillToken] = []
+    tokens: list[TgiToken] = []
+
+
+class TgiResponse(BaseModel):
+    generated_text: str
+    details: TgiDetails | None = None
+
+
+class TgiStreamDetails(BaseModel):
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+
+
+class TgiStreamEvent(BaseModel):
+    token: TgiToken
+    generated_text: str | None = None  # on the last event
+    details: TgiStreamDetails | None = None  # on the last event, when asked
+
+
+class TgiError(BaseModel):
+    error: str
+    error_type: str

@@ -1,0 +1,81 @@
+"""The TGI-compatible routes through huggingface_hub's InferenceClient, unmodified, against `tokenrelay serve`.
+
+Greedy answers are compared with the native generate route's, so a TGI
+answer must be exactly that text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from huggingface_hub import InferenceClient
+
+MODEL = "tokenrelay-tiny"
+PROMPT = "The following example"  # greedy: no EOS for hundreds of tokens
+
+
+@pytest.fixture(scope="module")
+def server(compat_server):
+    return compat_server
+
+
+@pytest.fixture(scope="module")
+def client(server) -> InferenceClient:
+    return InferenceClient(base_url=server.base_url, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def expected(server) -> str:
+    body = {"text_input": PROMPT, "parameters": {"max_new_tokens": 12}}
+    return httpx.post(server.url(f"/v2/models/{MODEL}/generate"), json=body, timeout=60).json()["text_output"]
+
+
+def test_non_stream_text_and_details_equal_the_native_greedy_answer(client, expected):
+    assert client.text_generation(PROMPT, max_new_tokens=12) == expected
+    out = client.text_generation(PROMPT, max_new_tokens=12, details=True, decoder_input_details=True)
+    assert out.generated_text == expected
+    assert (out.details.finish_reason, out.details.generated_tokens, out.details.seed) == ("length", 12, None)
+    assert "".join(t.text for t in out.details.tokens) == expected and len(out.details.tokens) == 12
+    assert len(out.details.prefill) == out.details.prompt_tokens > 0
+    assert client.text_generation(PROMPT, max_new_tokens=12, return_full_text=True) == PROMPT + expected
+
+
+def test_a_stream_carries_one_token_per_event_and_the_text_and_details_last(client, expected):
+    events = list(client.text_generation(PROMPT, max_new_tokens=12, stream=True, details=True))
+    assert len(events) == 12 and "".join(e.token.text for e in events) == expected
+    assert all(e.generated_text is None for e in events[:-1]) and events[-1].generated_text == expected
+    assert (events[-1].details.finish_reason, events[-1].details.generated_tokens) == ("length", 12)
+    assert "".join(client.text_generation(PROMPT, max_new_tokens=12, stream=True)) == expected
+
+
+def test_a_stop_string_ends_the_text_before_it(client, expected):
+    stop = expected[5:9]
+    out = client.text_generation(PROMPT, max_new_tokens=12, stop=[stop], details=True)
+    assert out.generated_text == expected[: expected.index(stop)]
+    assert out.details.finish_reason == "stop_sequence"
+
+
+def test_a_seeded_sampled_generation_reports_its_seed_and_repeats(client):
+    first = client.text_generation(PROMPT, max_new_tokens=8, do_sample=True, temperature=0.8, seed=7, details=True)
+    again = client.text_generation(PROMPT, max_new_tokens=8, do_sample=True, temperature=0.8, seed=7)
+    assert first.details.seed == 7 and first.generated_text == again
+
+
+def test_generate_stream_sends_data_events_and_bad_input_is_a_422_naming_the_field(server, expected):
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 12}}
+    with httpx.stream("POST", server.url("/generate_stream"), json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[len("data:") :]) for line in response.iter_lines() if line]
+    assert "".join(e["token"]["text"] for e in events) == expected and events[-1]["generated_text"] == expected
+    for parameters, field in [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"top_p": 1.0}, "top_p"),
+        ({"best_of": 2}, "best_of"),
+    ]:
+        refused = httpx.post(server.url("/generate"), json={"inputs": PROMPT, "parameters": parameters}, timeout=10)
+        assert refused.status_code == 422 and field in refused.json()["error"], refused.text
+    both = {"inputs": PROMPT, "parameters": {"decoder_input_details": True}}
+    assert httpx.post(server.url("/generate_stream"), json=both, timeout=10).status_code == 422
