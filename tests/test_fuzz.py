@@ -31,7 +31,7 @@ def test_generated_requests_never_get_a_server_error(tmp_path):
                 "--checks",
                 "not_a_server_error",
                 "--max-examples",
-                "150",
+                "100",
                 "--seed",
                 "20261130",
                 "--generation-database",
