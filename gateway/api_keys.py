@@ -34,13 +34,18 @@ def load_keys(keys: list[str], keys_file: str) -> list[str]:
     return found
 
 
+def open_path(path: str) -> bool:
+    """Whether a path is served without a key (the probes and /metrics)."""
+    return bool(_OPEN.match(path))
+
+
 class ApiKeys:
     def __init__(self, app: ASGIApp, keys: list[str]) -> None:
         self._app = app
         self._keys = [k.encode() for k in keys]
 
     def _allowed(self, scope: Scope) -> bool:
-        if _OPEN.match(scope["path"]):
+        if open_path(scope["path"]):
             return True
         authorization = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, key = authorization.partition(b" ")

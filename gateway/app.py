@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway import openapi
-from gateway.api_keys import ApiKeys
+from gateway.api_keys import ApiKeys, open_path
 from gateway.errors import install_handlers
 from gateway.media import MediaLoader
 from gateway.request_body import RequestBodies
@@ -44,7 +44,7 @@ def create_app(
     if api_keys:
         app.add_middleware(ApiKeys, keys=api_keys)  # added last: it runs first
     install_handlers(app)
-    openapi.install(app)
+    openapi.install(app, keys_required=lambda path: bool(api_keys) and not open_path(path))
     app.include_router(mindie.router)
     app.include_router(triton.router)
     app.include_router(openai.router)

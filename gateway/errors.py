@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 VALIDATION_ERROR = "Input Validation Error"
+_UNPARSABLE = "There was an error parsing the body"  # FastAPI's 400 for a body json.loads cannot even read
 
 
 class ErrorBody(BaseModel):
@@ -92,5 +93,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 400 and error.detail == _UNPARSABLE:  # not UTF-8: malformed, as the contract says
+            return _answer(request, 422, VALIDATION_ERROR, "the body is not valid JSON: it is not UTF-8 text")
         error_type = "NotFoundError" if error.status_code == 404 else "HTTPError"
         return _answer(request, error.status_code, error_type, str(error.detail))

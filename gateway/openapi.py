@@ -2,10 +2,16 @@
 
 FastAPI documents JSON responses from their models; an event stream's events
 are documented here as `text/event-stream` content whose schema is the model
-of one event, registered under components like every other model.
+of one event, registered under components like every other model. Two
+corrections keep the document truthful: the OpenAI routes answer an invalid
+body with 400 (documented), never with FastAPI's 422; and with API keys
+configured, every route but the open ones requires a bearer token and may
+answer 401.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -25,7 +31,9 @@ def event_stream(event: type[BaseModel], description: str) -> dict:
     }
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, keys_required: Callable[[str], bool]) -> None:
+    """`keys_required(path)`: whether that path needs an API key (never, without keys)."""
+
     def openapi() -> dict:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
@@ -33,7 +41,27 @@ def install(app: FastAPI) -> None:
                 [(model, "serialization") for model in _EVENT_MODELS], ref_template=_REF
             )
             document.setdefault("components", {}).setdefault("schemas", {}).update(definitions.get("$defs", {}))
+            _correct(document, keys_required)
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _correct(document: dict, keys_required: Callable[[str], bool]) -> None:
+    secured = False
+    for path, operations in document.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            if path.startswith("/v1/"):
+                responses.pop("422", None)
+            if keys_required(path):
+                secured = True
+                operation["security"] = [{"bearer": []}]
+                error = "OpenAIError" if path.startswith("/v1/") else "ErrorBody"
+                responses["401"] = {
+                    "description": "No valid API key",
+                    "content": {"application/json": {"schema": {"$ref": _REF.format(model=error)}}},
+                }
+    if secured:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -6,7 +6,8 @@ from functools import cache
 
 import torch
 
-from workers.engine.model_runner import BUNDLED_MODEL, LoadedModel, load_model
+from workers.bundled import BUNDLED_MODEL
+from workers.engine.model_runner import LoadedModel, load_model
 
 
 @cache

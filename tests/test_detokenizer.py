@@ -3,8 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
+from workers.bundled import BUNDLED_MODEL
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.model_runner import BUNDLED_MODEL
 
 
 @pytest.fixture(scope="module")

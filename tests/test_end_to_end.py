@@ -254,8 +254,9 @@ def test_errors_name_what_is_wrong(deployment):
     )
     extra = httpx.post(url, json={"text_input": "x", "parameters": {"temprature": 0.5}})
     assert extra.status_code == 422 and "parameters.temprature" in extra.json()["error"]
-    broken = httpx.post(url, content=b'{"text_input": ', headers={"content-type": "application/json"})
-    assert broken.status_code == 422 and broken.json()["error_type"] == "Input Validation Error"
+    for malformed in (b'{"text_input": ', b'{"text_input": "\xff\xfe"}'):  # cut short; not UTF-8
+        broken = httpx.post(url, content=malformed, headers={"content-type": "application/json"})
+        assert broken.status_code == 422 and broken.json()["error_type"] == "Input Validation Error", broken.text
 
 
 def test_health_and_readiness(deployment):

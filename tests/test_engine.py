@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from schemas.messages import FinishReason, GenerationRequest, SamplingParams, TokenEvent
+from workers.bundled import BUNDLED_MODEL
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.model_runner import BUNDLED_MODEL, load_model, random_model
+from workers.engine.model_runner import load_model, random_model
 
 # With the bundled model, greedy decoding ends these two with EOS within a few
 # tokens, and runs on past 400 tokens for the other two.

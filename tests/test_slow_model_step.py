@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tests.processes import free_port, wait_ready
-from workers.engine.model_runner import BUNDLED_MODEL
+from workers.bundled import BUNDLED_MODEL
 
 SESSION_TIMEOUT_MS = 1000  # the least deploy/kafka/broker.sh lets a group ask for
 

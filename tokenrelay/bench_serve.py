@@ -36,7 +36,7 @@ import websockets
 from transformers import AutoTokenizer
 
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
-from workers.engine.model_runner import BUNDLED_MODEL
+from workers.bundled import BUNDLED_MODEL
 
 ENDPOINTS = ("generate_stream", "infer", "ws")
 

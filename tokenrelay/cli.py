@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ import ssl
 import sys
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import prometheus_client
 import structlog
@@ -35,13 +37,14 @@ from gateway.api_keys import load_keys
 from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
-from tokenrelay import bench_chaos, bench_serve, logs, topology
-from workers.engine import bench as bench_engine
-from workers.engine.engine import EngineConfig
-from workers.engine.model_runner import BUNDLED_MODEL, DTYPES, load_model
-from workers.worker import Worker, WorkerSettings
+from tokenrelay import logs, topology
+from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, DTYPE_NAMES
 
-BUNDLED_MODEL_NAME = "tokenrelay-tiny"
+if TYPE_CHECKING:
+    from workers.worker import Worker
+
+# torch and transformers are imported only where a model runs (serve, worker,
+# bench engine): a gateway starts in a second instead of fifteen.
 log = structlog.get_logger("tokenrelay")
 
 
@@ -131,7 +134,8 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
         f"default: {BUNDLED_MODEL_NAME} for the bundled model, else --model",
     )
     _option(parser, "--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
-    _option(parser, "--dtype", default="", choices=["", *DTYPES], help="model dtype; empty: bf16 on CUDA, fp32 on CPU")
+    dtypes = ["", *DTYPE_NAMES]
+    _option(parser, "--dtype", default="", choices=dtypes, help="model dtype; empty: bf16 on CUDA, fp32 on CPU")
     _option(parser, "--max-batch-size", type=int, default=64, help="sequences that run at once (maxBatchSize)")
     _option(parser, "--max-seq-len", type=int, default=2560, help="prompt + generated tokens (maxSeqLen)")
     _option(parser, "--max-input-len", type=int, default=2048, help="prompt tokens (maxInputTokenLen)")
@@ -258,6 +262,10 @@ def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
 
 
 def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
+    from workers.engine.engine import EngineConfig
+    from workers.engine.model_runner import load_model
+    from workers.worker import Worker, WorkerSettings
+
     names = args.served_model_name or [BUNDLED_MODEL_NAME if args.model == str(BUNDLED_MODEL) else args.model]
     config = EngineConfig(
         max_batch_size=args.max_batch_size,
@@ -374,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         logs.configure("warning", process="bench")
-        {"engine": bench_engine, "serve": bench_serve, "chaos": bench_chaos}[args.benchmark].main(args.options)
+        module = f"tokenrelay.bench_{args.benchmark}" if args.benchmark != "engine" else "workers.engine.bench"
+        importlib.import_module(module).main(args.options)
         return
     logs.configure(args.log_level, process=args.command)
     if args.command == "up":

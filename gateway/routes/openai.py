@@ -42,7 +42,7 @@ from schemas.openai import (
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
-_ERRORS = {status: {"model": OpenAIError} for status in (400, 404, 424, 429, 500, 503, 504)}
+_ERRORS = {status: {"model": OpenAIError} for status in (400, 404, 413, 424, 429, 500, 503, 504)}
 
 
 def _finish_reason(reason: FinishReason | None) -> str | None:

@@ -121,7 +121,12 @@ async def generate(body: TgiRequest, request: Request):
     return JSONResponse(answer)
 
 
-router.post("/", response_model=TgiResponse, responses=_ERRORS, summary="Generate (TGI's root route)")(generate)
+router.post(
+    "/",
+    response_model=TgiResponse,
+    responses={200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream."), **_ERRORS},
+    summary="Generate (TGI's root route)",
+)(generate)
 
 
 @router.post(

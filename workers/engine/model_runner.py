@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import pathlib
 from dataclasses import dataclass
 
 import structlog
@@ -19,14 +18,14 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from workers.bundled import DTYPE_NAMES
 from workers.engine.attention import IMPLEMENTATION, DecodeGroup, PagedBatch, PromptChunk, decode_kernel
 from workers.engine.output_head import OutputHead
 from workers.engine.scheduler import Chunk
 
 log = structlog.get_logger(__name__)
 
-BUNDLED_MODEL = pathlib.Path(__file__).resolve().parent.parent / "bundled_model"
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 _CPU_KV_CACHE_BYTES = 1 << 30
 # Decoding sequences are grouped so that the longest of a group is at most this

@@ -1,0 +1,13 @@
+"""The bundled model's place and name, and the dtypes a worker can load: known without importing torch.
+
+The command line needs them for its options and defaults; a gateway process
+never loads a model, so it must not pay for torch and transformers to start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled_model"
+BUNDLED_MODEL_NAME = "tokenrelay-tiny"
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
