@@ -1,8 +1,10 @@
 """The OpenAPI document: FastAPI's, plus the event models of the server-sent-event routes.
 
-FastAPI documents JSON responses from their models; an event stream's events
-are documented here as `text/event-stream` content whose schema is the model
-of one event, registered under components like every other model. Two
+FastAPI documents JSON responses from their models; an event stream is
+documented here as `text/event-stream` content whose schema describes one
+event (OpenAPI 3.2's way, which schemathesis checks): its `data` is JSON
+(`contentMediaType`) of the event's model, registered under components like
+every other model, or of the error object that ends a failed stream. Two
 corrections keep the document truthful: the OpenAI routes answer an invalid
 body with 400 (documented), never with FastAPI's 422; and with API keys
 configured, every route but the open ones requires a bearer token and may
@@ -22,13 +24,19 @@ _EVENT_MODELS: list[type[BaseModel]] = []
 _REF = "#/components/schemas/{model}"
 
 
-def event_stream(event: type[BaseModel], description: str) -> dict:
-    """A `responses` entry for a route that streams `event` objects as server-sent events."""
-    _EVENT_MODELS.append(event)
-    return {
-        "description": description,
-        "content": {"text/event-stream": {"schema": {"$ref": _REF.format(model=event.__name__)}}},
-    }
+def event_stream(event: type[BaseModel], description: str, error: type[BaseModel], end: str | None = None) -> dict:
+    """A `responses` entry for a route that streams `event` objects as server-sent events.
+
+    A stream that fails after its first event ends with one `error` object
+    instead; `end` is a last `data` that is not JSON (OpenAI's `[DONE]`).
+    """
+    _EVENT_MODELS.extend((event, error))
+    refs = [{"$ref": _REF.format(model=model.__name__)} for model in (event, error)]
+    data: dict = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": refs}}
+    if end is not None:
+        data = {"anyOf": [{"const": end}, data]}
+    schema = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {"description": description, "content": {"text/event-stream": {"schema": schema}}}
 
 
 def install(app: FastAPI, keys_required: Callable[[str], bool]) -> None:

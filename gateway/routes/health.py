@@ -10,14 +10,14 @@ from gateway.service import GatewayService
 router = APIRouter(tags=["Health"])
 
 
-@router.get("/health")
-@router.get("/v2/health/live")
+@router.get("/health", response_class=Response)
+@router.get("/v2/health/live", response_class=Response)
 async def live() -> Response:
     """The gateway process answers."""
     return Response(status_code=200)
 
 
-@router.get("/v2/health/ready", responses={503: {"model": ErrorBody}})
+@router.get("/v2/health/ready", response_class=Response, responses={503: {"model": ErrorBody}})
 async def ready(request: Request) -> Response:
     """Some worker is serving some model."""
     service: GatewayService = request.app.state.gateway
@@ -26,7 +26,11 @@ async def ready(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/v2/models/{model}/ready", responses={404: {"model": ErrorBody}, 503: {"model": ErrorBody}})
+@router.get(
+    "/v2/models/{model}/ready",
+    response_class=Response,
+    responses={404: {"model": ErrorBody}, 503: {"model": ErrorBody}},
+)
 async def model_ready(model: str, request: Request) -> Response:
     """A live worker serves this model: 200; 503 while none does; 404 if none ever announced it."""
     service: GatewayService = request.app.state.gateway

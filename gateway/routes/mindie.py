@@ -23,7 +23,7 @@ from schemas.mindie import InferTokenRequest, InferTokenResponse, InferTokenStre
 
 router = APIRouter(tags=["MindIE native"])
 
-_STREAM = event_stream(InferTokenStreamEvent, "")["content"]  # with "stream": true
+_STREAM = event_stream(InferTokenStreamEvent, "", ErrorBody)["content"]  # with "stream": true
 _RESPONSES = {
     200: {
         "model": InferTokenResponse,

@@ -42,6 +42,7 @@ from schemas.openai import (
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
+_STREAMED = "With `stream`: `data: {chunk}` events, then `data: [DONE]` (not JSON: the end of the stream)."
 _ERRORS = {status: {"model": OpenAIError} for status in (400, 404, 413, 424, 429, 500, 503, 504)}
 
 
@@ -147,7 +148,7 @@ async def chat_chunks(connection: HTTPConnection, body: ChatCompletionRequest) -
 @router.post(
     "/v1/completions",
     response_model=Completion,
-    responses={200: event_stream(Completion, "With `stream`: `data: {chunk}` events, then `data: [DONE]`."), **_ERRORS},
+    responses={200: event_stream(Completion, _STREAMED, OpenAIError, end="[DONE]"), **_ERRORS},
 )
 async def completions(body: CompletionRequest, request: Request):
     """Complete a prompt (OpenAI's legacy completions), at once or as a stream."""
@@ -165,7 +166,7 @@ async def completions(body: CompletionRequest, request: Request):
     "/v1/chat/completions",
     response_model=ChatCompletion,
     responses={
-        200: event_stream(ChatCompletionChunk, "With `stream`: `data: {chunk}` events, then `data: [DONE]`."),
+        200: event_stream(ChatCompletionChunk, _STREAMED, OpenAIError, end="[DONE]"),
         **_ERRORS,
     },
 )

@@ -97,7 +97,7 @@ async def stream_objects(connection: HTTPConnection, body: TgiRequest) -> AsyncI
 @router.post(
     "/generate",
     response_model=TgiResponse,
-    responses={200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream."), **_ERRORS},
+    responses={200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream.", ErrorBody), **_ERRORS},
 )
 async def generate(body: TgiRequest, request: Request):
     """Generate text for `inputs` and answer with all of it (or stream it, with `stream`)."""
@@ -124,14 +124,14 @@ async def generate(body: TgiRequest, request: Request):
 router.post(
     "/",
     response_model=TgiResponse,
-    responses={200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream."), **_ERRORS},
+    responses={200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream.", ErrorBody), **_ERRORS},
     summary="Generate (TGI's root route)",
 )(generate)
 
 
 @router.post(
     "/generate_stream",
-    responses={200: event_stream(TgiStreamEvent, "One `data:{...}` event per token."), **_ERRORS},
+    responses={200: event_stream(TgiStreamEvent, "One `data:{...}` event per token.", ErrorBody), **_ERRORS},
 )
 async def generate_stream(body: TgiRequest, request: Request) -> StreamingResponse:
     """Generate text for `inputs` and stream it as server-sent events, one token per event."""

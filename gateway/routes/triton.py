@@ -101,7 +101,7 @@ async def generate(model: str, body: GenerateRequest, request: Request) -> JSONR
 
 @router.post(
     "/v2/models/{model}/generate_stream",
-    responses={200: event_stream(StreamEvent, "One `data:{...}` event per token."), **_ERRORS},
+    responses={200: event_stream(StreamEvent, "One `data:{...}` event per token.", ErrorBody), **_ERRORS},
 )
 async def generate_stream(model: str, body: GenerateStreamRequest, request: Request) -> StreamingResponse:
     """Generate text for a prompt and stream it as server-sent events, `data:{...}` per token."""
