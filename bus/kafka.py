@@ -87,7 +87,10 @@ class _KafkaListener(Listener):
                         yield message
 
     async def rebuild(self) -> None:
-        consumer = await self._reopen()
+        try:
+            consumer = await self._reopen()
+        except (KafkaError, OSError, UnknownTopic) as error:
+            raise BusUnavailable(f"cannot open a new consumer: {error!r}") from error
         for partition, offset in self._next.items():
             consumer.seek(partition, offset)
         old, self._consumer = self._consumer, consumer
@@ -228,8 +231,11 @@ class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
         self._to_commit.clear()
         self._waiting.clear()
         self._consumer = self._open_consumer()
-        await self.start()
         self._fed_at = time.monotonic()
+        try:
+            await self.start()
+        except (KafkaError, OSError) as error:  # take() polls the new consumer, which connects when it can
+            log.warning("request_consumer_not_started", group=self._group, error=repr(error))
         return True
 
     def _read_up_to(self, partition: TopicPartition) -> int:

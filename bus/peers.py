@@ -5,8 +5,9 @@ heartbeats included. A broker outage silences every peer at once, and so does
 a consumer that stopped fetching; neither means the peers died. So silence
 counts only while this process hears its own heartbeats: a peer is gone once
 the topic has worked for `silence_s` without a word from it, or once it said
-goodbye. Hearing nothing of its own heartbeats for `stuck_after_s` while
-publishing them succeeds means this process's control consumer is stuck.
+goodbye. Publishing its own heartbeats successfully for `stuck_after_s`
+(every one of them, so the broker is there) while none of them comes back
+means this process's consumer is stuck.
 """
 
 from __future__ import annotations
@@ -22,21 +23,24 @@ class PeerClock:
         self._left: dict[str, float] = {}  # peer -> when it said goodbye
         self._own_heard_at: float | None = None
         self._working_since = 0.0  # since when own heartbeats come back without a gap
-        self._unheard_since: float | None = None  # first own heartbeat published since the last one heard
+        self._unheard_published = 0  # own heartbeats published since the last one heard
 
     def own_published(self, now: float) -> None:
-        if self._unheard_since is None:
-            self._unheard_since = now
+        self._unheard_published += 1
+
+    def own_not_published(self) -> None:
+        """The broker did not take a heartbeat: silence says nothing about the consumer now."""
+        self._unheard_published = 0
 
     def own_heard(self, now: float) -> None:
         if not self.working(now):
             self._working_since = now
         self._own_heard_at = now
-        self._unheard_since = None
+        self._unheard_published = 0
 
     def consumer_rebuilt(self) -> None:
         """Start counting towards `stuck` again, from the next own heartbeat published."""
-        self._unheard_since = None
+        self._unheard_published = 0
 
     def heard(self, peer: str, now: float) -> None:
         self._heard[peer] = now
@@ -64,9 +68,9 @@ class PeerClock:
             return False
         return now - max(heard_at, self._working_since) > self._silence_s
 
-    def stuck(self, now: float) -> bool:
-        """Own heartbeats were published for `stuck_after_s` and none came back: the consumer is stuck."""
-        return self._unheard_since is not None and now - self._unheard_since > self._stuck_after_s
+    def stuck(self) -> bool:
+        """Own heartbeats were published, each of them, for `stuck_after_s` and none came back."""
+        return self._unheard_published * self._interval_s > self._stuck_after_s
 
     def forget_old(self, now: float) -> None:
         """Drop peers not heard of for `forget_after_s` (as long as their requests may still be waiting)."""

@@ -64,6 +64,16 @@ class GatewaySettings:
     max_in_flight: int = 4096  # requests waiting for their last event; beyond: 429
 
 
+async def _rebuild(listener: Listener, echo: PeerClock) -> None:
+    """Replace a stuck listener's consumer; if the broker refuses now, the next heartbeat tries again."""
+    try:
+        await listener.rebuild()
+    except BusUnavailable as error:
+        log.warning("listener_not_rebuilt", error=str(error))
+        return
+    echo.consumer_rebuilt()
+
+
 class GatewayService:
     def __init__(self, bus: Bus, settings: GatewaySettings) -> None:
         self._bus = bus
@@ -145,10 +155,11 @@ class GatewayService:
             for topic, listener, echo in watched:
                 if await self._bus.publish_or_log(topic, self._heartbeat(), "heartbeat_not_published"):
                     echo.own_published(time.monotonic())
-                if echo.stuck(time.monotonic()):
+                else:
+                    echo.own_not_published()
+                if echo.stuck():
                     log.warning("listener_stuck", topic=topic)
-                    await listener.rebuild()
-                    echo.consumer_rebuilt()
+                    await _rebuild(listener, echo)
             self._failover.check()
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 

@@ -299,6 +299,15 @@ class Worker:
         # A gone gateway is remembered as long as its requests may still wait in a topic, to skip them.
         self._gateways.forget_old(now)
 
+    async def _rebuild_control(self, control: Listener) -> None:
+        """Replace the stuck control consumer; if the broker refuses now, the next heartbeat tries again."""
+        try:
+            await control.rebuild()
+        except BusUnavailable as error:
+            log.warning("control_consumer_not_rebuilt", error=str(error))
+            return
+        self._gateways.consumer_rebuilt()
+
     def _heartbeat(self, leaving: bool = False) -> WorkerHeartbeat:
         return WorkerHeartbeat(
             worker_id=self._settings.worker_id,
@@ -314,10 +323,11 @@ class Worker:
         while True:
             if await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published"):
                 self._gateways.own_published(time.monotonic())
-            if self._gateways.stuck(time.monotonic()) and self._control is not None:
+            else:
+                self._gateways.own_not_published()
+            if self._gateways.stuck() and self._control is not None:
                 log.warning("control_consumer_stuck", topic=self._control_topic)
-                await self._control.rebuild()
-                self._gateways.consumer_rebuilt()
+                await self._rebuild_control(self._control)
             now = time.time()  # a cancel outlives its request's deadline in no one's interest
             self._cancelled = {r: c for r, c in self._cancelled.items() if c.deadline > now}
             self._drop_orphans()
