@@ -39,12 +39,21 @@ _RECANCEL_AFTER_S = 5.0  # a cancel for unwanted events is sent again if they ke
 
 
 class Failover:
-    def __init__(self, bus: Bus, registry: InFlightRegistry, control_topic: str, topic_prefix: str, workers: PeerClock):
+    def __init__(
+        self,
+        bus: Bus,
+        registry: InFlightRegistry,
+        control_topic: str,
+        topic_prefix: str,
+        heartbeat_interval_s: float,
+        stuck_after_s: float,
+    ):
         self._bus = bus
         self._registry = registry
         self._control_topic = control_topic
         self._topic_prefix = topic_prefix
-        self.workers = workers  # the gateway's control listener keeps it informed
+        # The workers, as the gateway's control listener hears them (and the gateway's own heartbeats).
+        self.workers = PeerClock(heartbeat_interval_s, WORKER_SILENCE_S, stuck_after_s, _REMEMBER_S)
         self._cancelled: dict[tuple[str, int], float] = {}  # (request id, attempt) -> when told to stop
         self._publishing: dict[str, asyncio.Task] = {}  # request id -> its failover being published
         self._unpublished: set[InFlight] = set()  # failed over, but the bus refused it: tried again each check

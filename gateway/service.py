@@ -23,7 +23,7 @@ from bus.peers import PeerClock
 from bus.topics import control_topic, reply_topic, request_topic
 from gateway.directory import WorkerDirectory
 from gateway.errors import ApiError, not_found, unavailable
-from gateway.failover import WORKER_SILENCE_S, Failover
+from gateway.failover import Failover
 from gateway.inflight import InFlight, InFlightRegistry
 from schemas.messages import (
     CancelRequest,
@@ -45,8 +45,7 @@ CLIENT_GONE = "client gone"
 RETRY_AFTER_S = 1  # in-flight requests end every few tens of milliseconds under load
 BACKLOG_INTERVAL_S = 5.0
 HEARTBEAT_INTERVAL_S = 1.0
-LISTENER_STUCK_S = 10.0  # own heartbeats published this long without one coming back: rebuild the listener
-_FORGET_WORKER_S = 600.0
+LISTENER_STUCK_S = 10.0  # this many seconds of own heartbeats taken by the broker, none heard: rebuild
 
 # Replay this much of the control topic at start, so that a new gateway knows
 # the running workers at once instead of after their next heartbeat.
@@ -83,10 +82,11 @@ class GatewayService:
         self._control_topic = control_topic(settings.topic_prefix)
         self.directory = WorkerDirectory()
         self.inflight = InFlightRegistry()
-        workers = PeerClock(HEARTBEAT_INTERVAL_S, WORKER_SILENCE_S, LISTENER_STUCK_S, _FORGET_WORKER_S)
-        self._failover = Failover(bus, self.inflight, self._control_topic, settings.topic_prefix, workers)
-        # Only the stuck-consumer check of the reply listener: no peers there.
-        self._reply_echo = PeerClock(HEARTBEAT_INTERVAL_S, WORKER_SILENCE_S, LISTENER_STUCK_S, _FORGET_WORKER_S)
+        self._failover = Failover(
+            bus, self.inflight, self._control_topic, settings.topic_prefix, HEARTBEAT_INTERVAL_S, LISTENER_STUCK_S
+        )
+        # Only the stuck-consumer check of the reply listener: no peers there, so no silence or forgetting.
+        self._reply_echo = PeerClock(HEARTBEAT_INTERVAL_S, 0.0, LISTENER_STUCK_S, 0.0)
         self._metrics = metrics_of("gateway")
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
