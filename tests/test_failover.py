@@ -18,19 +18,18 @@ import httpx
 import pytest
 
 from tests.processes import Process, free_port, wait_ready
-from tokenrelay.bench_chaos import FAILURES, Workers, run_chaos
+from tokenrelay.bench_chaos import FAILURES, PROMPTS, Kind, Workers, run_chaos
 from tokenrelay.topology import tokenrelay_processes
 from tokenrelay.topology import wait_ready as wait_gateway_ready
 
 pytestmark = pytest.mark.kafka
 
 MODEL = "tokenrelay-tiny"
-PROMPTS = ["The following example", "def main():\n", "A context manager is", "The os module provides"]
 
 
 def _body(i: int) -> dict:
-    parameters = {"max_new_tokens": 96, "do_sample": True, "temperature": 0.9, "seed": 1000 + i, "details": True}
-    return {"text_input": PROMPTS[i % len(PROMPTS)], "parameters": parameters}
+    """Seeded sampling, 96 tokens, details: the chaos bench's kind of request."""
+    return Kind(PROMPTS[i % len(PROMPTS)], seed=1000 + i, max_new_tokens=96).body()
 
 
 class _Stream:
