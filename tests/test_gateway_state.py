@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from bus.inprocess import InProcessBus
+from bus.topics import control_topic, reply_topic
 from gateway.directory import WorkerDirectory
 from gateway.errors import ApiError
 from gateway.inflight import DEADLINE_GRACE_S, InFlightRegistry
 from gateway.service import GatewayService, GatewaySettings
 from schemas.messages import (
+    CancelRequest,
     FinishReason,
     GenerationRequest,
     SamplingParams,
@@ -163,3 +166,27 @@ def test_routes_without_a_model_use_the_only_one_or_the_configured_default():
     assert ambiguous.value.status == 404 and "--default-model" in ambiguous.value.body.error
     configured = GatewayService(InProcessBus(), GatewaySettings(default_model="other"))
     assert configured.default_model_name() == "other"
+
+
+async def test_events_nobody_waits_for_are_answered_with_one_cancel_for_every_attempt():
+    bus = InProcessBus()
+    service = GatewayService(bus, GatewaySettings(gateway_id="gw"))
+    await service.start()
+    control = await bus.listen(control_topic("tokenrelay"))
+    try:
+        ghost = TokenEvents(worker_id="w", events=[_event("ghost", 0)])
+        for _ in range(2):  # the second is within the 5 s after the first cancel: not answered again
+            await bus.publish(reply_topic("tokenrelay", "gw"), ghost)
+        cancels = []
+
+        async def collect() -> None:
+            async for message in control:
+                if isinstance(message, CancelRequest):
+                    cancels.append(message)
+
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(collect(), 1.0)
+        assert [(c.request_id, c.attempts_before) for c in cancels] == [("ghost", None)]
+    finally:
+        await control.close()
+        await service.stop()

@@ -40,6 +40,10 @@ def test_non_stream_text_and_details_equal_the_native_greedy_answer(client, expe
     assert "".join(t.text for t in out.details.tokens) == expected and len(out.details.tokens) == 12
     assert len(out.details.prefill) == out.details.prompt_tokens > 0
     assert client.text_generation(PROMPT, max_new_tokens=12, return_full_text=True) == PROMPT + expected
+    kept = client.text_generation(PROMPT, max_new_tokens=2, truncate=2, details=True, decoder_input_details=True)
+    assert kept.details.prompt_tokens == 2 and [t.id for t in kept.details.prefill] == [
+        t.id for t in out.details.prefill[-2:]
+    ]  # only the prompt's last two tokens
 
 
 def test_a_stream_carries_one_token_per_event_and_the_text_and_details_last(client, expected):
