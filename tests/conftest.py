@@ -17,6 +17,11 @@ import pytest
 
 from tests.processes import REPO, Process, free_port, serving, spawn_tokenrelay
 
+# The Triton attention kernels run on CPU tensors under Triton's interpreter, which must be chosen before
+# triton is first imported; on a GPU (TOKENRELAY_TEST_DEVICE=cuda) they run compiled.
+if os.environ.get("TOKENRELAY_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _docker_answers() -> bool:
     try:
