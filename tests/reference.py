@@ -7,7 +7,7 @@ from functools import cache
 import torch
 
 from workers.bundled import BUNDLED_MODEL
-from workers.engine.model_runner import LoadedModel, load_model
+from workers.engine.model_loader import LoadedModel, load_model
 
 
 @cache

@@ -2,6 +2,9 @@
 
 The equality tests run in float64, so that no rounding difference between a
 batched step and transformers' own one-request `generate` can flip a token.
+They run on the CPU, or on a GPU with TOKENRELAY_TEST_DEVICE=cuda (Triton
+kernels and CUDA graphs there); the Triton kernels and decode graphs also
+run on the CPU, interpreted and replayed eagerly, in a test of their own.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import pytest
 import torch
 
 from schemas.messages import FinishReason, GenerationRequest, SamplingParams, TokenEvent
+from tests.devices import TEST_DEVICE
+from tests.test_cuda_graphs import replay_eagerly
 from workers.bundled import BUNDLED_MODEL
-from workers.engine.engine import Engine, EngineConfig
-from workers.engine.model_runner import load_model, random_model
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.model_loader import load_model, random_model
 
 # With the bundled model, greedy decoding ends these two with EOS within a few
 # tokens, and runs on past 400 tokens for the other two.
@@ -33,22 +39,22 @@ BLOCK_BYTES_F64 = 2 * 4 * 32 * 4 * 32 * 8  # layers, block size, KV heads, head 
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(str(BUNDLED_MODEL), "cpu", "float64")
+    return load_model(str(BUNDLED_MODEL), str(TEST_DEVICE), "float64")
 
 
 @pytest.fixture(scope="module")
 def reference():
     """A separate copy for transformers' generate: the engine puts its own attention into its model."""
-    return load_model(str(BUNDLED_MODEL), "cpu", "float64")
+    return load_model(str(BUNDLED_MODEL), str(TEST_DEVICE), "float64")
 
 
 class Harness:
     """An engine whose events land in a queue the test reads."""
 
-    def __init__(self, loaded, config: EngineConfig) -> None:
+    def __init__(self, loaded, config: EngineConfig, graph_capture=None) -> None:
         self.events: queue.Queue[TokenEvent] = queue.Queue()
         self.seen: list[TokenEvent] = []  # read by wait_for_tokens, not yet by collect
-        self.engine = Engine(loaded, config, lambda events: [self.events.put(e) for e in events])
+        self.engine = Engine(loaded, config, lambda events: [self.events.put(e) for e in events], graph_capture)
         self.engine.start()
 
     def _next(self, deadline: float) -> TokenEvent:
@@ -108,8 +114,8 @@ def harness_with(loaded):
     """Harnesses with engine settings of the test's choosing, closed at the end."""
     harnesses: list[Harness] = []
 
-    def make(**config) -> Harness:
-        harnesses.append(Harness(loaded, EngineConfig(**{"kv_cache_bytes": 256 << 20, **config})))
+    def make(graph_capture=None, **config) -> Harness:
+        harnesses.append(Harness(loaded, EngineConfig(**{"kv_cache_bytes": 256 << 20, **config}), graph_capture))
         return harnesses[-1]
 
     yield make
@@ -127,7 +133,7 @@ def _tokens(events: list[TokenEvent]) -> list[int]:
 
 
 def _reference(reference, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=reference.device)
     with torch.inference_mode():
         out = reference.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
     eos = next((i for i, t in enumerate(out) if t in reference.eos_token_ids), None)
@@ -153,6 +159,24 @@ def test_64_greedy_requests_equal_transformers_generate_token_for_token(loaded, 
         assert _tokens(results[request_id]) == _reference(reference, prompt, max_new), request_id
     stats = h.engine.stats()
     assert stats["preemptions"] > 0 and stats["reused_tokens"] > 0, stats
+
+
+def test_the_triton_kernels_and_decode_graphs_equal_transformers_generate(loaded, reference, harness_with):
+    """On the CPU: the kernels interpreted, the graphs' capture replaced by eager replays of their buffers."""
+    rng = random.Random(11)
+    shared = [rng.randrange(4, 32000) for _ in range(40)]
+    workload = [(shared + [rng.randrange(4, 32000) for _ in range(n)], m) for n, m in [(3, 9), (50, 6), (1, 12)]]
+    workload += [([rng.randrange(4, 32000) for _ in range(n)], m) for n, m in [(1, 7), (20, 10), (70, 5)]]
+    capture = replay_eagerly if TEST_DEVICE.type == "cpu" else None
+    # Prompt chunks of at most 48 tokens: long prompts are chunked beside decoding sequences.
+    h = harness_with(attention="triton", graph_capture=capture, max_batch_size=4, max_tokens_per_step=48)
+    ids = [h.submit(*workload[0])]
+    h.wait_for_tokens(ids[0], 2)  # the rest joins a running batch, the shared prefix cached; 4 run at once
+    ids += [h.submit(p, n) for p, n in workload[1:]]
+    results = h.collect(ids)
+    for request_id, (prompt, max_new) in zip(ids, workload, strict=True):
+        assert _tokens(results[request_id]) == _reference(reference, prompt, max_new), request_id
+    assert h.engine.stats()["reused_tokens"] >= 32  # the shared prefix's full block
 
 
 def test_events_describe_every_token(loaded, harness):
@@ -209,7 +233,9 @@ def test_a_seeded_request_draws_the_same_tokens_alone_in_a_batch_after_preemptio
     assert tight.engine.stats()["preemptions"] >= 1
     assert _tokens(results[preempted]) == reference_tokens
 
-    elsewhere = Harness(load_model(str(BUNDLED_MODEL), "cpu", "float64"), EngineConfig(kv_cache_bytes=64 << 20))
+    elsewhere = Harness(
+        load_model(str(BUNDLED_MODEL), str(TEST_DEVICE), "float64"), EngineConfig(kv_cache_bytes=64 << 20)
+    )
     try:
         assert _tokens(elsewhere.collect([rid := elsewhere.submit(prompt, 40, **sampling)])[rid]) == reference_tokens
     finally:
@@ -316,9 +342,9 @@ def test_other_llama_family_models_equal_transformers_generate(family, loaded):
         pad_token_id=3,
     )
     torch.manual_seed(0)
-    engine_model = random_model(config, loaded.tokenizer, "cpu", "float64")
+    engine_model = random_model(config, loaded.tokenizer, str(TEST_DEVICE), "float64")
     torch.manual_seed(0)
-    reference = random_model(config, loaded.tokenizer, "cpu", "float64")
+    reference = random_model(config, loaded.tokenizer, str(TEST_DEVICE), "float64")
     h = Harness(engine_model, EngineConfig(max_seq_len=1024, kv_cache_bytes=16 << 20))
     try:
         prompts = [list(range(10, 10 + n)) for n in (3, 40, 77)]

@@ -1,9 +1,18 @@
 """Next-token choice for a batch: greedy, and seeded sampling that depends on (seed, index) alone."""
 
+import pytest
 import torch
+from transformers import TypicalLogitsWarper
 
 from schemas.messages import SamplingParams
-from workers.engine.sampler import Draw, noise_seed, sample_logits
+from tests.devices import TEST_DEVICE
+from workers.engine.sampler import Draw, DrawBatch, _typical, choose, noise_seed
+
+
+def sample_logits(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
+    """The tokens the batch sampler draws for these rows, on the test device (TOKENRELAY_TEST_DEVICE)."""
+    logits = logits.to(TEST_DEVICE)
+    return choose(logits, DrawBatch.of(draws, logits.shape[-1], logits.device)).tolist()
 
 
 def _logits(seed: int = 0, vocab: int = 1000) -> torch.Tensor:
@@ -105,6 +114,34 @@ def test_an_overflowed_penalty_keeps_its_meaning():
     # Seen token 4 with a vanishing penalty: its score goes to +inf, so it must be drawn.
     params = SamplingParams(seed=3, do_sample=True, repetition_penalty=5e-324)
     assert {_draw(params, logits, history=(4,), index=i) for i in range(10)} == {4}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_typical_p_filters_a_batch_as_transformers_filters_each_row(dtype):
+    generator = torch.Generator().manual_seed(5)
+    scores = (torch.randn(6, 500, generator=generator) * 3).to(dtype)
+    scores[1, 100:] = float("-inf")  # a row already cut by top-k
+    masses = [0.2, 0.5, 0.9, 0.95, 5e-324, 0.999]
+    batched = _typical(scores.to(TEST_DEVICE), torch.tensor(masses, dtype=dtype, device=TEST_DEVICE).unsqueeze(1))
+    for row, mass in enumerate(masses):
+        expected = TypicalLogitsWarper(mass)(None, scores[row : row + 1])[0]
+        assert torch.equal(batched[row].cpu(), expected), mass
+
+
+def test_a_mixed_batch_draws_each_row_as_it_would_alone():
+    """Greedy, penalised, typical and plain sampling rows side by side: each row's token is its own."""
+    params = [
+        SamplingParams(seed=1),
+        SamplingParams(seed=2, repetition_penalty=1.7),
+        SamplingParams(seed=3, do_sample=True, typical_p=0.6, temperature=0.8),
+        SamplingParams(seed=4, do_sample=True, top_k=5, repetition_penalty=0.7),
+        SamplingParams(seed=5, do_sample=True, top_p=0.5),
+    ]
+    logits = torch.stack([_logits(s) for s in range(5)])
+    draws = [Draw(p, (1, 2, 3, 500, int(logits[i].argmax())), 9) for i, p in enumerate(params)]
+    together = sample_logits(logits, draws)
+    assert together == [sample_logits(logits[i : i + 1], [draws[i]])[0] for i in range(5)]
+    assert together[0] == int(logits[0].argmax()) and together[1] != int(logits[1].argmax())
 
 
 def test_largest_seed_is_usable():

@@ -262,8 +262,8 @@ def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
 
 
 def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
-    from workers.engine.engine import EngineConfig
-    from workers.engine.model_runner import load_model
+    from workers.engine.config import EngineConfig
+    from workers.engine.model_loader import load_model
     from workers.worker import Worker, WorkerSettings
 
     names = args.served_model_name or [BUNDLED_MODEL_NAME if args.model == str(BUNDLED_MODEL) else args.model]

@@ -36,8 +36,9 @@ from schemas.messages import (
     WorkerHeartbeat,
 )
 from tokenrelay.metrics import RequestTimer, metrics_of, record_backlog
-from workers.engine.engine import Engine, EngineConfig
-from workers.engine.model_runner import LoadedModel
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.model_loader import LoadedModel
 
 log = structlog.get_logger(__name__)
 
@@ -90,8 +91,8 @@ class Worker:
     ) -> None:
         self._bus = bus
         self._settings = settings
-        self._config = config
         self._engine = Engine(loaded, config, self._on_engine_step)
+        self._config = config = self._engine.config  # with the device's defaults
         self.model = ServedModel(
             name=served_names[0],
             aliases=served_names,

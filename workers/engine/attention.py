@@ -5,22 +5,24 @@ calls the Hugging Face model as usual; transformers computes embeddings,
 rotary positions, projections and MLPs, and hands each layer's query, key and
 value to `paged_attention`, which
 1. writes the new keys and values into their sequences' cache slots, then
-2. attends, per sequence, to everything that sequence has cached:
-   - sequences decoding one token attend together, in a few groups of
-     similar lengths: each group's blocks are gathered into one padded batch,
-     with a mask for the padding;
-   - each prompt chunk attends alone, causally, to its prefix and itself.
+2. attends, per sequence, to everything that sequence has cached. The packed
+   rows hold first the sequences decoding one token, then the prompt chunks.
 
-On CPUs, decoding sequences attend through a small C++ kernel
-(paged_decode.cpp) that reads each sequence's keys and values in place,
-twice as fast as gathering them first; where it cannot be built, and on
-GPUs, the gather below is used.
+Three sets of kernels do it, chosen by the model runner (`kernels_for`):
+- "triton" (GPUs): triton_attention.py, reading the cache in place, one
+  launch for all decoding sequences and one for all prompt chunks;
+- "cpu": decoding sequences through a small C++ kernel (paged_decode.cpp)
+  that reads each sequence's keys and values in place, twice as fast as
+  gathering them first; each prompt chunk through PyTorch's SDPA;
+- "torch": the same without the C++ kernel (no compiler): decoding
+  sequences' blocks are gathered into one padded batch, with a mask.
 
-The cache is laid out [kv_heads, blocks, block_size, dim] so that gathering a
-batch's blocks along dim 1 yields keys [kv_heads, sequences, tokens, dim]
-that are contiguous: scaled_dot_product_attention is three times slower on
-strided keys. Query heads that share a KV head (grouped-query attention) are
-folded next to the query rows, so keys and values are never repeated.
+The cache is laid out [kv_heads, blocks, block_size, dim] so that one (KV
+head, block) tile is contiguous for the kernels, and gathering a batch's
+blocks along dim 1 yields keys [kv_heads, sequences, tokens, dim] that are
+contiguous: scaled_dot_product_attention is three times slower on strided
+keys. Query heads that share a KV head (grouped-query attention) are folded
+next to the query rows, so keys and values are never repeated.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import structlog
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 IMPLEMENTATION = "tokenrelay_paged"
 _KERNEL_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cpp")
@@ -69,8 +70,16 @@ def decode_kernel():
         return None
 
 
+def kernels_for(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if decode_kernel() is not None else "torch"
+
+
 @dataclass(frozen=True)
 class PromptChunk:
+    """A prompt chunk, for the "cpu" and "torch" kernels, which attend chunk by chunk."""
+
     start: int  # rows of the packed batch
     end: int
     # None for a chunk that starts its sequence: it attends to itself alone, causally, from this step's
@@ -81,23 +90,24 @@ class PromptChunk:
 
 
 @dataclass(frozen=True)
-class DecodeGroup:
-    """Sequences decoding one token each, attended to together."""
-
-    rows: torch.Tensor  # [sequences]: their rows in the packed batch
-    tables: torch.Tensor  # [sequences, max blocks]: their block ids, padded with block 0
-    lengths: torch.Tensor  # [sequences]: their cached tokens, this step's included
-    mask: torch.Tensor | None  # [1, sequences, 1, max blocks * block_size]: False on the padding (gather path)
-
-
-@dataclass(frozen=True)
 class PagedBatch:
-    """Where a step's tokens go in the cache, and what each attends to; shared by all layers."""
+    """Where a step's tokens go in the cache, and what each attends to; shared by all layers.
+
+    Rows [0, decodes) of the packed batch are sequences decoding one token;
+    prompt chunks follow. `block_tables` and `lengths` have a row per
+    decoding sequence, then (for the "triton" kernels) one per prompt chunk.
+    """
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), [kv_heads, blocks, block_size, dim]
-    slots: torch.Tensor  # [tokens]: the cache slot (block * block_size + offset) of each packed token
-    decodes: list[DecodeGroup]
-    prompts: list[PromptChunk]
+    kernels: str  # "triton", "cpu" or "torch"
+    slots: torch.Tensor  # [tokens]: the cache slot (block * block_size + offset) of each token; -1: none
+    decodes: int
+    block_tables: torch.Tensor  # [sequences, max blocks]: their block ids, padded with block 0
+    lengths: torch.Tensor  # [sequences]: their cached tokens, this step's included
+    splits: int = 1  # "triton": programs that share each decoding sequence's blocks
+    query_starts: torch.Tensor | None = None  # "triton": [chunks + 1], chunk c is rows [qs[c], qs[c + 1])
+    tiles: torch.Tensor | None = None  # "triton": the prefill kernel's work list (triton_attention.prefill_tiles)
+    prompts: tuple[PromptChunk, ...] = ()  # "cpu" and "torch"
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, sequences: int) -> torch.Tensor:
@@ -128,22 +138,27 @@ def _prompt(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
 def paged_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, paged=None, **kwargs):
     """transformers' attention signature: query [1, heads, tokens, dim], key/value [1, kv_heads, tokens, dim]."""
     key_cache, value_cache = paged.kv[module.layer_idx]
+    q = query[0].transpose(0, 1)  # [tokens, heads, dim]
+    out = torch.empty_like(q)
+    if paged.kernels == "triton":
+        _triton_attention(
+            paged, q, key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, out, scaling
+        )
+        return out.unsqueeze(0), None
     kv_heads, _, _, dim = key_cache.shape
     key_cache.view(kv_heads, -1, dim)[:, paged.slots] = key[0]
     value_cache.view(kv_heads, -1, dim)[:, paged.slots] = value[0]
-
-    q = query[0].transpose(0, 1)  # [tokens, heads, dim]
-    out = torch.empty_like(q)
-    kernel = decode_kernel() if q.device.type == "cpu" else None
-    for group in paged.decodes:
-        if kernel is not None:
-            queries = q[group.rows].contiguous()
-            out[group.rows] = kernel.paged_decode(queries, key_cache, value_cache, group.tables, group.lengths, scaling)
-            continue
-        n = group.rows.shape[0]
-        keys = _gather(key_cache, group.tables.view(-1), n)
-        values = _gather(value_cache, group.tables.view(-1), n)
-        out[group.rows] = _decode(q[group.rows], keys, values, group.mask, scaling)
+    decodes = paged.decodes
+    if decodes and paged.kernels == "cpu":
+        queries = q[:decodes].contiguous()
+        tables, lengths = paged.block_tables[:decodes], paged.lengths[:decodes]
+        out[:decodes] = decode_kernel().paged_decode(queries, key_cache, value_cache, tables, lengths, scaling)
+    elif decodes:
+        tables = paged.block_tables[:decodes]
+        keys = _gather(key_cache, tables.reshape(-1), decodes)
+        values = _gather(value_cache, tables.reshape(-1), decodes)
+        visible = torch.arange(keys.shape[2], device=q.device).unsqueeze(0) < paged.lengths[:decodes].unsqueeze(1)
+        out[:decodes] = _decode(q[:decodes], keys, values, visible[None, :, None, :], scaling)
     for chunk in paged.prompts:
         rows = slice(chunk.start, chunk.end)
         if chunk.blocks is None:  # a whole new prompt (or its first chunk): nothing cached to read
@@ -158,10 +173,28 @@ def paged_attention(module, query, key, value, attention_mask, scaling, dropout=
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """paged_attention builds its own masks; the model must not build a [tokens, tokens] one."""
-    return None
+def _triton_attention(paged: PagedBatch, q, k, v, key_cache, value_cache, out, scaling) -> None:
+    from workers.engine import triton_attention
+
+    triton_attention.store_kv(k, v, key_cache, value_cache, paged.slots)
+    decodes = paged.decodes
+    if decodes:
+        tables, lengths = paged.block_tables[:decodes], paged.lengths[:decodes]
+        triton_attention.decode_attention(
+            q[:decodes], key_cache, value_cache, tables, lengths, scaling, out[:decodes], paged.splits
+        )
+    if paged.tiles is not None:
+        triton_attention.prefill_attention(
+            q,
+            key_cache,
+            value_cache,
+            paged.block_tables[decodes:],
+            paged.lengths[decodes:],
+            paged.query_starts,
+            paged.tiles,
+            scaling,
+            out,
+        )
 
 
 AttentionInterface.register(IMPLEMENTATION, paged_attention)
-AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)

@@ -32,8 +32,9 @@ from transformers import GenerationConfig, LlamaConfig, LogitsProcessor, LogitsP
 
 from schemas.messages import GenerationRequest, SamplingParams
 from workers.bundled import BUNDLED_MODEL
-from workers.engine.engine import Engine, EngineConfig
-from workers.engine.model_runner import LoadedModel, load_model, random_model
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.model_loader import LoadedModel, load_model, random_model
 
 # A ~1.1 B parameter Llama (TinyLlama's shape), randomly initialised, for GPU timing without weights.
 LLAMA_1B = dict(

@@ -18,29 +18,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
+import torch
 
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent
 from workers.engine.block_manager import BlockManager
+from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import Capture
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.model_runner import LoadedModel, ModelRunner
-from workers.engine.sampler import Draw, sample
+from workers.engine.model_loader import LoadedModel
+from workers.engine.model_runner import ModelRunner
+from workers.engine.sampler import Draw, DrawBatch, sample
 from workers.engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.engine.stop_strings import StopStrings
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_batch_size: int = 64  # sequences that run at once (MindIE's maxBatchSize)
-    max_seq_len: int = 2560  # prompt + generated tokens (maxSeqLen)
-    max_input_len: int = 2048  # prompt tokens (maxInputTokenLen)
-    max_iter_times: int = 512  # generated tokens per request (maxIterTimes)
-    max_tokens_per_step: int = 1024  # decode tokens plus prompt chunks, per step
-    block_size: int = 32  # tokens per KV cache block (gathers of smaller blocks are much slower on CPUs)
-    kv_cache_bytes: int | None = None  # None: 1 GiB on the CPU, 80% of free memory on a GPU
-    aging_s: float = 10.0  # waiting this long makes a request one priority level more urgent
 
 
 @dataclass(frozen=True)
@@ -59,11 +51,18 @@ _GENERATION_ERROR = "Generation Error"
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, on_step: Callable[[list[TokenEvent]], None]):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        on_step: Callable[[list[TokenEvent]], None],
+        graph_capture: Capture | None = None,
+    ):
+        """`graph_capture`: how the runner captures decode graphs (cuda_graphs.py); tests replace it on the CPU."""
         self._loaded = loaded
-        self._config = config
+        self.config = config = config.for_device(loaded.device)  # the device's defaults filled in
         self._on_step = on_step
-        self._runner = ModelRunner(loaded, config.block_size, config.kv_cache_bytes)
+        self._runner = ModelRunner(loaded, config, graph_capture)
         capacity = self._runner.num_blocks * config.block_size
         if capacity < config.max_seq_len:
             raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_seq_len {config.max_seq_len}")
@@ -79,8 +78,8 @@ class Engine:
     def max_input_len(self) -> int:
         """Prompt tokens a request may have, as the contract computes it."""
         return min(
-            self._config.max_input_len,
-            self._config.max_seq_len - 1,
+            self.config.max_input_len,
+            self.config.max_seq_len - 1,
             self._loaded.max_position_embeddings,
             1024 * 1024,
         )
@@ -111,6 +110,8 @@ class Engine:
     # -- the engine thread
 
     def _run(self) -> None:
+        if self._loaded.device.type == "cuda":
+            torch.cuda.set_device(self._loaded.device)  # per thread: the kernels launch on the current device
         try:
             self._loop()
         except BaseException:
@@ -169,7 +170,7 @@ class Engine:
                 request,
                 f"the prompt has {len(prompt_ids)} tokens after tokenization; at most {self.max_input_len} are allowed",
             )
-        budget = min(request.sampling.max_new_tokens, self._config.max_iter_times) - request.tokens_before
+        budget = min(request.sampling.max_new_tokens, self.config.max_iter_times) - request.tokens_before
         if budget < 1:
             raise _Rejected(request, f"no token is left to generate after the {request.tokens_before} generated before")
         sequence = Sequence(
@@ -213,8 +214,11 @@ class Engine:
         started_at = time.monotonic()
         drawing = [c for c in chunks if c.samples]
         try:
+            # The draws' parameters go to the device before the forward pass, so that nothing waits for it
+            # until the tokens are read.
+            draws = DrawBatch.of([_draw(c) for c in drawing], self._runner.head.vocab_size, self._loaded.device)
             hidden = self._runner.run(chunks)
-            tokens = sample(self._runner.head, hidden, [_draw(c) for c in drawing])
+            tokens = sample(self._runner.head, hidden, draws)
         except Exception as error:  # a broken step must fail its requests, not the worker
             log.exception("step_failed", requests=[c.sequence.request_id for c in chunks])
             failure = ErrorInfo(message=f"generation failed: {error}", error_type="Incomplete Generation", status=500)
@@ -240,7 +244,7 @@ class Engine:
 
     def _out_of_room(self, sequence: Sequence, generated: int) -> bool:
         """Whether a sequence with `generated` tokens has reached max_new_tokens or max_seq_len."""
-        return generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self._config.max_seq_len
+        return generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self.config.max_seq_len
 
 
 def _draw(chunk: Chunk) -> Draw:

@@ -1,135 +1,141 @@
-"""Load a Hugging Face causal LM and run one engine step over a packed batch.
+"""Run one engine step over a packed batch, on the CPU or a GPU.
 
 A step's tokens (one per decoding sequence, a chunk per prompt) are packed
-into a single row with their positions, so that every linear layer runs once
-for the whole batch, with no padding; `attention.paged_attention` keeps each
-sequence to its own cached keys and values. Logits are computed only for the
-rows a token is drawn from, by the output head.
+into a single row with their positions, decoding sequences first, so that
+every linear layer runs once for the whole batch, with no padding;
+`attention.paged_attention` keeps each sequence to its own cached keys and
+values. What the device needs of a step goes up in one copy. On a GPU, a
+step that only decodes replays a CUDA graph (cuda_graphs.py), and the KV
+cache gets a share of the memory left once the weights, the largest step's
+work and the graphs have theirs. Logits are computed only for the rows a
+token is drawn from, by the output head.
 """
 
 from __future__ import annotations
 
-import copy
-import ctypes
+import itertools
+import os
+import time
 from dataclasses import dataclass
 
 import structlog
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workers.bundled import DTYPE_NAMES
-from workers.engine.attention import IMPLEMENTATION, DecodeGroup, PagedBatch, PromptChunk, decode_kernel
+from schemas.messages import SamplingParams
+from workers.engine.attention import IMPLEMENTATION, PagedBatch, PromptChunk, kernels_for
+from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
+from workers.engine.model_loader import LoadedModel
 from workers.engine.output_head import OutputHead
+from workers.engine.sampler import Draw, DrawBatch, choose
 from workers.engine.scheduler import Chunk
 
 log = structlog.get_logger(__name__)
-
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
-_CPU_KV_CACHE_BYTES = 1 << 30
-# Decoding sequences are grouped so that the longest of a group is at most this
-# many times its shortest; fewer than _GROUP_MIN sequences stay in one group.
-_GROUP_SPREAD = 1.6
-_GROUP_MIN = 8  # 1 GiB when not told otherwise
-_GPU_KV_CACHE_SHARE = 0.8  # of the memory left free after loading the model
+_GIB = 2**30
 
 
 @dataclass(frozen=True)
-class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
-    device: torch.device
-    vocab_size: int  # valid token ids are [0, vocab_size)
-    max_position_embeddings: int
-    eos_token_ids: frozenset[int]
+class StepLayout:
+    """A step as the device sees it: packed rows, decoding sequences first, then prompt chunks."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]  # each token's cache slot
+    tables: list[list[int]]  # per sequence (decoding ones, then prompt chunks): the blocks it reads
+    lengths: list[int]  # per sequence: tokens cached once this step's are stored
+    decodes: int  # sequences decoding one token: rows [0, decodes)
+    query_starts: list[int]  # chunk c is rows [query_starts[c], query_starts[c + 1]); [] without chunks
+    sample_rows: list[int]  # the row each drawn token comes from, in the chunks' order
 
 
-def pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
-
-
-def load_model(path: str, device: str = "auto", dtype: str | None = None) -> LoadedModel:
-    """Load from a local directory or a hub id: bf16 on CUDA, fp32 on the CPU, unless `dtype` says otherwise."""
-    target = pick_device(device)
-    chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
-    transformers.utils.logging.disable_progress_bar()  # our logs are JSON lines
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen).to(target).eval()
-    return _loaded(model, tokenizer, target, str(path))
-
-
-def random_model(config: transformers.PretrainedConfig, tokenizer, device: str = "auto", dtype: str | None = None):
-    """A randomly initialised model of `config`, for timing where no weights are at hand."""
-    target = pick_device(device)
-    chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
-    with torch.device(target):  # a copy of the config: the engine sets its attention on the model's own
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=chosen).eval()
-    return _loaded(model, tokenizer, target, f"random {config.model_type}")
-
-
-def keep_freed_memory() -> None:
-    """Have glibc keep freed memory for reuse instead of returning it to the system.
-
-    Every step allocates and frees tensors of megabytes; by default glibc
-    serves those with fresh mmaps whose pages fault in on first touch, which
-    tripled the time of a decode step here. Process-wide; a no-op off glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
-    libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-
-
-def _loaded(model, tokenizer, device: torch.device, source: str) -> LoadedModel:
-    if device.type == "cpu":
-        keep_freed_memory()
-    config = model.config
-    eos = model.generation_config.eos_token_id if model.generation_config else None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    log.info("model_loaded", source=source, device=str(device), dtype=str(model.dtype), vocab_size=config.vocab_size)
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        device=device,
-        vocab_size=config.vocab_size,
-        max_position_embeddings=getattr(config, "max_position_embeddings", None) or 1024 * 1024,
-        eos_token_ids=frozenset([eos] if isinstance(eos, int) else (eos or [])),
-    )
+def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
+    order = [i for i, c in enumerate(chunks) if c.num_tokens == 1] + [
+        i for i, c in enumerate(chunks) if c.num_tokens > 1
+    ]
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    lengths: list[int] = []
+    query_starts: list[int] = []
+    last_row = [0] * len(chunks)
+    for index in order:
+        chunk = chunks[index]
+        sequence, row = chunk.sequence, len(ids)
+        start = sequence.num_cached_tokens
+        end = start + chunk.num_tokens
+        ids.extend(sequence.tokens(start, end))
+        positions.extend(range(start, end))
+        table = sequence.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        tables.append(table[: -(-end // block_size)])
+        lengths.append(end)
+        if chunk.num_tokens > 1:
+            query_starts.append(row)
+        last_row[index] = row + chunk.num_tokens - 1
+    decodes = len(order) - len(query_starts)
+    if query_starts:
+        query_starts.append(len(ids))
+    sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.samples]
+    return StepLayout(ids, positions, slots, tables, lengths, decodes, query_starts, sample_rows)
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, block_size: int, kv_cache_bytes: int | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, capture: Capture | None = None) -> None:
+        """`config` with its device defaults filled in; `capture`: how decode graphs are captured
+        (default: CUDA graphs on a GPU, none on the CPU)."""
         self._model = loaded.model
         self._device = loaded.device
-        self.block_size = block_size
-        config = self._model.config
+        self._config = config
+        self.block_size = config.block_size
+        self.kernels = kernels_for(self._device) if config.attention == "auto" else config.attention
         self._model.set_attn_implementation(IMPLEMENTATION)
         self.head = OutputHead(self._model.get_output_embeddings())
-        kv_heads = config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = self._model.dtype
-        bytes_per_block = 2 * config.num_hidden_layers * block_size * kv_heads * head_dim * dtype.itemsize
-        self.num_blocks = max(1, (kv_cache_bytes or self._default_kv_bytes()) // bytes_per_block)
-        shape = (kv_heads, self.num_blocks, block_size, head_dim)  # see attention.py for why
-        self._kv = [
-            (torch.zeros(shape, dtype=dtype, device=self._device), torch.zeros(shape, dtype=dtype, device=self._device))
-            for _ in range(config.num_hidden_layers)
-        ]
-        log.info(
-            "kv_cache_allocated", blocks=self.num_blocks, block_size=block_size, tokens=self.num_blocks * block_size
+        model_config = self._model.config
+        self._kv_heads = model_config.num_key_value_heads
+        self._head_dim = getattr(model_config, "head_dim", None) or (
+            model_config.hidden_size // model_config.num_attention_heads
         )
+        self._layers = model_config.num_hidden_layers
+        gpu = self._device.type == "cuda"
+        self._processors = (
+            torch.cuda.get_device_properties(self._device).multi_processor_count if gpu else os.cpu_count()
+        )
+        graphs = config.cuda_graphs and self.kernels == "triton" and (gpu or capture is not None)
+        bytes_per_block = (
+            2 * self._layers * self.block_size * self._kv_heads * self._head_dim * self._model.dtype.itemsize
+        )
+        kv_bytes = config.kv_cache_bytes or self._gpu_kv_cache_bytes(graphs)
+        self.num_blocks = max(1, kv_bytes // bytes_per_block)
+        self._kv = self._allocate(self.num_blocks)
+        log.info(
+            "kv_cache_allocated",
+            blocks=self.num_blocks,
+            block_size=self.block_size,
+            tokens=self.num_blocks * self.block_size,
+            gib=round(self.num_blocks * bytes_per_block / _GIB, 2),
+            attention=self.kernels,
+        )
+        self._graphs: DecodeGraphs | None = None
+        if graphs:
+            self._graphs = self._capture(capture or cuda_graph_capture())
 
-    def _default_kv_bytes(self) -> int:
-        if self._device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self._device)
-            return int(free * _GPU_KV_CACHE_SHARE)
-        return _CPU_KV_CACHE_BYTES
+    def _allocate(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (self._kv_heads, blocks, self.block_size, self._head_dim)  # see attention.py for why
+        dtype = self._model.dtype
+        return [
+            (torch.zeros(shape, dtype=dtype, device=self._device), torch.zeros(shape, dtype=dtype, device=self._device))
+            for _ in range(self._layers)
+        ]
+
+    @property
+    def max_blocks_per_sequence(self) -> int:
+        return -(-self._config.max_seq_len // self.block_size)
+
+    def decode_splits(self, sequences: int, max_blocks: int) -> int:
+        from workers.engine.triton_attention import decode_splits
+
+        return decode_splits(sequences, self._kv_heads, max_blocks, self._processors)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -137,74 +143,139 @@ class ModelRunner:
 
         `self.head` turns those into logits or tokens.
         """
-        size = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lengths: list[int] = []
-        prompts: list[PromptChunk] = []
-        sample_rows: list[int] = []
-        for chunk in chunks:
-            sequence, row = chunk.sequence, len(ids)
-            start = sequence.num_cached_tokens
-            end = start + chunk.num_tokens
-            ids.extend(sequence.tokens(start, end))
-            positions.extend(range(start, end))
-            table = sequence.block_table
-            slots.extend(table[p // size] * size + p % size for p in range(start, end))
-            used_blocks = table[: -(-end // size)]
-            if chunk.num_tokens == 1:
-                decode_rows.append(row)
-                decode_tables.append(used_blocks)
-                decode_lengths.append(end)
-            elif start == 0:
-                prompts.append(PromptChunk(row, row + chunk.num_tokens, None, None))
-            else:
-                queries = torch.arange(start, end, device=self._device).unsqueeze(1)
-                keys = torch.arange(len(used_blocks) * size, device=self._device).unsqueeze(0)
-                blocks = torch.tensor(used_blocks, device=self._device)
-                prompts.append(PromptChunk(row, row + chunk.num_tokens, blocks, (keys <= queries)[None, None]))
-            if chunk.samples:
-                sample_rows.append(row + chunk.num_tokens - 1)
-        batch = PagedBatch(
-            kv=self._kv,
-            slots=torch.tensor(slots, device=self._device),
-            decodes=self._decode_groups(decode_rows, decode_tables, decode_lengths) if decode_rows else [],
-            prompts=prompts,
+        return self.forward(layout_step(chunks, self.block_size))
+
+    @torch.inference_mode()
+    def forward(self, step: StepLayout, graphs: bool = True) -> torch.Tensor:
+        """The last hidden states of `step.sample_rows`; `graphs=False` runs a decode step eagerly."""
+        replay = graphs and self._graphs is not None and step.decodes == len(step.lengths)
+        return self._run(step, self._kv, replay and step.decodes <= self._graphs.max_batch_size)
+
+    def _run(self, step: StepLayout, kv, replay: bool) -> torch.Tensor:
+        width = max(len(t) for t in step.tables)
+        tables = [block for t in step.tables for block in (*t, *[0] * (width - len(t)))]
+        tiles: list[int] = []
+        if step.query_starts and self.kernels == "triton":
+            from workers.engine.triton_attention import prefill_rows, prefill_tiles
+
+            heads = self._model.config.num_attention_heads
+            tiles = prefill_tiles(step.query_starts, prefill_rows(self._model.dtype, heads, self._kv_heads))
+        parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts, tiles, tables]
+        flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long).to(self._device)
+        ids, positions, slots, lengths, sample_rows, query_starts, tiles_, flat_tables = flat.split(
+            list(map(len, parts))
         )
-        hidden = self._model.model(
-            input_ids=torch.tensor([ids], device=self._device),
-            position_ids=torch.tensor([positions], device=self._device),
-            use_cache=False,
-            paged=batch,
-        ).last_hidden_state
-        return hidden[0, sample_rows]
+        block_tables = flat_tables.view(len(step.tables), width)
+        if replay:
+            hidden = self._graphs.run(ids, positions, slots, block_tables, lengths)
+        else:
+            batch = PagedBatch(
+                kv=kv,
+                kernels=self.kernels,
+                slots=slots,
+                decodes=step.decodes,
+                block_tables=block_tables,
+                lengths=lengths,
+                splits=self.decode_splits(step.decodes, width) if self.kernels == "triton" else 1,
+                query_starts=query_starts if tiles else None,
+                tiles=tiles_ if tiles else None,
+                prompts=self._prompt_chunks(step) if self.kernels != "triton" else (),
+            )
+            hidden = self._forward(ids, positions, batch)
+        return hidden[sample_rows]
 
-    def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> list[DecodeGroup]:
-        """The decoding sequences: one group for the CPU kernel, else groups of similar lengths,
-        so that little of each gather is padding."""
-        if self._device.type == "cpu" and decode_kernel() is not None:
-            return [self._decode_group(rows, tables, lengths, masked=False)]
-        order = sorted(range(len(rows)), key=lengths.__getitem__)
-        groups = [[order[0]]]
-        for index in order[1:]:
-            if len(order) >= _GROUP_MIN and lengths[index] > _GROUP_SPREAD * lengths[groups[-1][0]]:
-                groups.append([index])
-            else:
-                groups[-1].append(index)
-        return [
-            self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lengths[i] for i in g], masked=True)
-            for g in groups
-        ]
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        out = self._model.model(input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=batch)
+        return out.last_hidden_state[0]
 
-    def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int], masked: bool) -> DecodeGroup:
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], device=self._device)
-        counts = torch.tensor(lengths, device=self._device)
-        mask = None
-        if masked:
-            visible = torch.arange(width * self.block_size, device=self._device).unsqueeze(0)
-            mask = (visible < counts.unsqueeze(1))[None, :, None, :]
-        return DecodeGroup(rows=torch.tensor(rows, device=self._device), tables=padded, lengths=counts, mask=mask)
+    def _prompt_chunks(self, step: StepLayout) -> tuple[PromptChunk, ...]:
+        """For the "cpu" and "torch" kernels: each prompt chunk with what its rows see of its blocks."""
+        chunks = []
+        for index, (first_row, end_row) in enumerate(itertools.pairwise(step.query_starts)):
+            end = step.lengths[step.decodes + index]
+            start = end - (end_row - first_row)  # the chunk's first position
+            if start == 0:
+                chunks.append(PromptChunk(first_row, end_row, None, None))
+                continue
+            blocks = step.tables[step.decodes + index]
+            queries = torch.arange(start, end, device=self._device).unsqueeze(1)
+            keys = torch.arange(len(blocks) * self.block_size, device=self._device).unsqueeze(0)
+            blocks_tensor = torch.tensor(blocks, device=self._device)
+            chunks.append(PromptChunk(first_row, end_row, blocks_tensor, (keys <= queries)[None, None]))
+        return tuple(chunks)
+
+    # -- GPU start-up: memory and graphs
+
+    def _gpu_kv_cache_bytes(self, graphs: bool) -> int:
+        """gpu_memory_fraction of the memory free after the weights, the largest eager step and the graphs."""
+        config = self._config
+        working = self._step_memory(config.max_tokens_per_step, prompt=True)
+        if graphs:  # the graphs' pool holds about what an eager decode step of the largest batch takes
+            working += self._step_memory(config.max_batch_size, prompt=False)
+        free, total = torch.cuda.mem_get_info(self._device)
+        kv_bytes = int(config.gpu_memory_fraction * (free - working))
+        log.info(
+            "gpu_memory_planned",
+            total_gib=round(total / _GIB, 2),
+            free_after_weights_gib=round(free / _GIB, 2),
+            step_work_gib=round(working / _GIB, 2),
+            kv_cache_gib=round(kv_bytes / _GIB, 2),
+            fraction=config.gpu_memory_fraction,
+        )
+        if kv_bytes <= 0:
+            raise ValueError(f"no GPU memory is left for the KV cache ({free / _GIB:.2f} GiB free after the weights)")
+        return kv_bytes
+
+    @torch.inference_mode()
+    def _step_memory(self, tokens: int, prompt: bool) -> int:
+        """Peak memory of an eager step of `tokens` tokens (one prompt, or as many decoding sequences) and of
+        sampling the largest batch, over a cache of its own."""
+        size, rows = self.block_size, self._config.max_batch_size
+        blocks = -(-tokens // size)
+        kv = self._allocate(blocks)
+        if prompt:
+            tables, lengths, slots = [list(range(blocks))], [tokens], list(range(tokens))
+            step = StepLayout([0] * tokens, slots, slots, tables, lengths, 0, [0, tokens], [tokens - 1] * rows)
+        else:
+            tables, slots = [[i] for i in range(tokens)], [i * size for i in range(tokens)]
+            step = StepLayout([0] * tokens, [0] * tokens, slots, tables, [1] * tokens, tokens, [], [tokens - 1] * rows)
+        torch.cuda.synchronize(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        before = torch.cuda.memory_allocated(self._device)
+        hidden = self._run(step, kv, replay=False)
+        params = SamplingParams(seed=0, do_sample=True, top_p=0.9, typical_p=0.9, repetition_penalty=1.1)
+        choose(
+            self.head.logits(hidden), DrawBatch.of([Draw(params, [0], 0)] * rows, self.head.vocab_size, self._device)
+        )
+        torch.cuda.synchronize(self._device)
+        peak = torch.cuda.max_memory_allocated(self._device) - before
+        del kv, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _capture(self, capture: Capture) -> DecodeGraphs | None:
+        gpu = self._device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self._device)[0] if gpu else 0
+        started = time.perf_counter()
+        max_blocks = self.max_blocks_per_sequence
+        try:
+            with torch.inference_mode():
+                graphs = DecodeGraphs(
+                    self._forward,
+                    self._kv,
+                    self._config.max_batch_size,
+                    max_blocks,
+                    lambda n: self.decode_splits(n, max_blocks),
+                    capture,
+                )
+        except Exception as error:  # the engine still runs, eagerly: slower, and said so
+            log.exception("cuda_graphs_failed", error=str(error)[:500])
+            return None
+        held = free_before - torch.cuda.mem_get_info(self._device)[0] if gpu else 0
+        log.info(
+            "cuda_graphs_captured",
+            batch_sizes=graphs.sizes,
+            seconds=round(time.perf_counter() - started, 2),
+            memory_mib=round(held / 2**20, 1),
+        )
+        return graphs

@@ -44,6 +44,11 @@ class OutputHead:
     def fast(self) -> bool:
         return self._fast is not None
 
+    @property
+    def vocab_size(self) -> int:
+        """Logits per row (the projection's outputs; some models pad it past the tokenizer's vocabulary)."""
+        return self._weight.shape[0]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self._weight, self._bias)
 

@@ -1,11 +1,16 @@
 """Draw the next token of every sequence of a step at once, each with its own parameters.
 
 Greedy rows take the argmax. Sampling rows go through temperature, top-k,
-top-p and typical-p as transformers applies them, then draw with the
-exponential race (argmax of p / E, E ~ Exp(1)), which picks token i with
-probability p_i. The noise of token i of a request comes from a generator
-seeded with (seed, i) alone: whatever else is in the batch, after a
-preemption, and on any worker, a seeded request draws the same tokens.
+top-p and typical-p as transformers applies them, then draw by inverse
+transform: the token whose share of the kept probability mass covers a
+uniform number u. The u of token i of a request comes from (seed, i) alone:
+whatever else is in the batch, after a preemption, and on any worker, a
+seeded request draws the same tokens.
+
+The whole batch is one set of tensor operations on the device that computed
+its logits: the parameters go up in one copy before the step's forward pass
+(`DrawBatch.to`), and the tokens come back in one read; nothing in between
+waits for the device.
 """
 
 from __future__ import annotations
@@ -14,13 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import TypicalLogitsWarper
 
 from schemas.messages import SamplingParams
 from workers.engine.output_head import OutputHead
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: spreads nearby seeds apart
 _U64 = 2**64
+_MASK = _U64 - 1
 
 
 @dataclass(frozen=True)
@@ -36,71 +41,132 @@ def noise_seed(seed: int, token_index: int) -> int:
     return (seed + (token_index + 1) * _GOLDEN_GAMMA) % _U64
 
 
-def sample(head: OutputHead, hidden: torch.Tensor, draws: list[Draw]) -> list[int]:
-    """The next token of each sequence, from its last hidden state (`hidden` [rows, hidden size])."""
-    tokens = [0] * len(draws)
-    plain = [i for i, d in enumerate(draws) if not d.params.do_sample and d.params.repetition_penalty == 1.0]
-    others = [i for i, d in enumerate(draws) if d.params.do_sample or d.params.repetition_penalty != 1.0]
-    if plain:  # plain greedy rows need the argmax alone, which the head finds fastest
-        for row, token in zip(plain, head.argmax(hidden[plain]), strict=True):
-            tokens[row] = token
+def uniform(seed: int, token_index: int) -> float:
+    """The u in [0, 1) of token `token_index` of a request seeded `seed` (splitmix64's output function)."""
+    z = noise_seed(seed, token_index)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+
+# The rows of DrawBatch.values
+_TEMPERATURE, _TOP_K, _TOP_P, _TYPICAL_P, _PENALTY, _UNIFORM = range(6)
+
+
+@dataclass(frozen=True)
+class DrawBatch:
+    """A step's draws as tensors: per-row parameters, and the tokens a repetition penalty applies to."""
+
+    draws: list[Draw]
+    values: torch.Tensor  # [6, rows] float64: temperature, top_k (vocab: all), top_p, typical_p, penalty, u
+    seen: torch.Tensor | None  # flat indices row * vocab + token of the tokens a penalty applies to
+    sampling: torch.Tensor | None  # the rows that sample; None: none does
+    plain: list[int]  # rows that take the plain argmax (no sampling, no penalty)
+    typical: bool  # whether a sampling row has typical_p < 1
+
+    @classmethod
+    def of(cls, draws: list[Draw], vocab: int, device: torch.device) -> DrawBatch:
+        params = [d.params for d in draws]
+        values = [
+            (
+                p.temperature,
+                p.top_k or vocab,
+                p.top_p,
+                p.typical_p or 1.0,
+                p.repetition_penalty,
+                uniform(p.seed, d.index),
+            )
+            for p, d in zip(params, draws, strict=True)
+        ]
+        sampling = [row for row, p in enumerate(params) if p.do_sample]
+        seen = [
+            row * vocab + token
+            for row, d in enumerate(draws)
+            if d.params.repetition_penalty != 1.0
+            for token in set(d.token_ids)
+        ]
+        indices = torch.tensor([*sampling, *seen], dtype=torch.long).to(device)  # one copy for both
+        return cls(
+            draws=draws,
+            values=torch.tensor(values, dtype=torch.float64).reshape(-1, 6).T.contiguous().to(device),
+            seen=indices[len(sampling) :] if seen else None,
+            sampling=indices[: len(sampling)] if sampling else None,
+            plain=[row for row, p in enumerate(params) if not p.do_sample and p.repetition_penalty == 1.0],
+            typical=any(params[row].typical_p is not None and params[row].typical_p < 1.0 for row in sampling),
+        )
+
+
+def sample(head: OutputHead, hidden: torch.Tensor, batch: DrawBatch) -> list[int]:
+    """The next token of each row, from its last hidden state (`hidden` [rows, hidden size])."""
+    if not head.fast or not batch.plain:
+        return choose(head.logits(hidden), batch).tolist()
+    # The CPU's fast head finds plain greedy rows' argmax without their whole float32 logits.
+    tokens = [0] * hidden.shape[0]
+    for row, token in zip(batch.plain, head.argmax(hidden[batch.plain]), strict=True):
+        tokens[row] = token
+    plain = set(batch.plain)
+    others = [row for row in range(hidden.shape[0]) if row not in plain]
     if others:
-        logits = head.logits(hidden[others])
-        for row, token in zip(others, sample_logits(logits, [draws[i] for i in others]), strict=True):
+        rest = DrawBatch.of([batch.draws[row] for row in others], head.vocab_size, hidden.device)
+        for row, token in zip(others, choose(head.logits(hidden[others]), rest).tolist(), strict=True):
             tokens[row] = token
     return tokens
 
 
-def sample_logits(logits: torch.Tensor, draws: list[Draw]) -> list[int]:
-    """The next token of each row of `logits` [rows, vocab]."""
+def choose(logits: torch.Tensor, batch: DrawBatch) -> torch.Tensor:
+    """The next token of each row of `logits` [rows, vocab], on their device."""
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     scores = logits
-    if any(d.params.repetition_penalty != 1.0 for d in draws):
-        scores = logits.clone()
-        _penalise_repetitions(scores, draws)
+    if batch.seen is not None:
+        penalty = batch.values[_PENALTY].to(logits.dtype).unsqueeze(1)
+        seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        seen.view(-1)[batch.seen] = True
+        scores = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
         scores = _finite_limit(scores, logits)  # a vanishing penalty can overflow a score
     tokens = scores.argmax(dim=-1)
-    rows = [i for i, d in enumerate(draws) if d.params.do_sample]
-    if rows:
-        tokens[rows] = _draw(scores[rows], [draws[i] for i in rows], logits[rows])
-    return tokens.tolist()
+    if batch.sampling is not None:
+        rows = batch.sampling
+        tokens[rows] = _draw(scores[rows], batch.values[:, rows], logits[rows], batch.typical)
+    return tokens
 
 
-def _penalise_repetitions(scores: torch.Tensor, draws: list[Draw]) -> None:
-    for row, draw in enumerate(draws):
-        penalty = draw.params.repetition_penalty
-        if penalty != 1.0:
-            seen = torch.tensor(sorted(set(draw.token_ids)), device=scores.device)
-            values = scores[row, seen]
-            scores[row, seen] = torch.where(values < 0, values * penalty, values / penalty)
-
-
-def _draw(scores: torch.Tensor, draws: list[Draw], logits: torch.Tensor) -> torch.Tensor:
+def _draw(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, typical: bool) -> torch.Tensor:
+    """values: the rows' DrawBatch.values, float64."""
     vocab = scores.shape[-1]
-    temperatures = torch.tensor([d.params.temperature for d in draws], dtype=scores.dtype, device=scores.device)
-    scores = _finite_limit(scores / temperatures.unsqueeze(1), logits)
-    ordered, order = scores.sort(dim=-1, descending=True)
-    # top-k: keep the k best of each row (0 = all)
-    top_k = torch.tensor([d.params.top_k or vocab for d in draws], device=scores.device).clamp(max=vocab)
+    uniforms = values[_UNIFORM].unsqueeze(1)
+    values = values.to(scores.dtype)
+    scores = _finite_limit(scores / values[_TEMPERATURE].unsqueeze(1), logits)
+    # Stable: tied tokens keep their order whatever the batch, so that the draw does not depend on it.
+    ordered, order = scores.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
-    ordered = ordered.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    ordered = ordered.masked_fill(ranks >= values[_TOP_K].unsqueeze(1), float("-inf"))  # top-k
     # top-p: keep the smallest head whose mass reaches top_p (at least one token)
-    top_p = torch.tensor([d.params.top_p for d in draws], dtype=scores.dtype, device=scores.device)
     probabilities = ordered.softmax(dim=-1)
     mass_before = probabilities.cumsum(dim=-1) - probabilities
-    ordered = ordered.masked_fill((mass_before >= top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
-    for row, draw in enumerate(draws):
-        if draw.params.typical_p is not None and draw.params.typical_p < 1.0:
-            ordered[row] = TypicalLogitsWarper(draw.params.typical_p)(None, ordered[row : row + 1])[0]
+    ordered = ordered.masked_fill((mass_before >= values[_TOP_P].unsqueeze(1)) & (ranks > 0), float("-inf"))
+    if typical:
+        mass = values[_TYPICAL_P].unsqueeze(1)
+        ordered = torch.where(mass < 1.0, _typical(ordered, mass), ordered)
     probabilities = ordered.softmax(dim=-1)  # the best token of each row is finite: never all -inf
-    noise = torch.stack([_exponential_noise(d, vocab, scores) for d in draws]).gather(1, order)
-    choice = (probabilities / noise).argmax(dim=-1)
-    return order.gather(1, choice.unsqueeze(1)).squeeze(1)
+    cumulative = probabilities.double().cumsum(dim=-1)
+    target = uniforms * cumulative[:, -1:]
+    choice = torch.searchsorted(cumulative, target, right=True)
+    # u * total may round up to the total: stay on the last token that has mass (cumulative's first maximum)
+    choice = torch.minimum(choice, cumulative.argmax(dim=-1, keepdim=True))
+    return order.gather(1, choice).squeeze(1)
 
 
-def _exponential_noise(draw: Draw, vocab: int, like: torch.Tensor) -> torch.Tensor:
-    generator = torch.Generator(device=like.device).manual_seed(noise_seed(draw.params.seed, draw.index))
-    return torch.empty(vocab, dtype=like.dtype, device=like.device).exponential_(generator=generator)
+def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """transformers' TypicalLogitsWarper (min_tokens_to_keep 1), for rows of masses `mass` [rows, 1] at once."""
+    normalized = scores.log_softmax(dim=-1)
+    entropy = -(normalized * normalized.exp()).nansum(dim=-1, keepdim=True)
+    shifted = (-normalized - entropy).abs()
+    sorted_shifted, indices = shifted.sort(dim=-1)
+    cumulative = scores.gather(-1, indices).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
+    remove = sorted_shifted > sorted_shifted.gather(-1, last)
+    remove[:, 0] = False
+    return scores.masked_fill(remove.scatter(-1, indices, remove), float("-inf"))
 
 
 def _finite_limit(scores: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -111,13 +177,11 @@ def _finite_limit(scores: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     its mass evenly on the +inf tokens, which is what a row gets; a row left
     with no finite or +inf score falls back to `fallback`'s row.
     """
-    if torch.isfinite(scores).all():
-        return scores
+    if scores.device.type == "cpu" and torch.isfinite(scores).all():
+        return scores  # the common case, checked where a check costs no wait for a device
     scores = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"))
     infinite = torch.isposinf(scores)
     limit = torch.where(infinite, 0.0, float("-inf")).to(scores.dtype)
     scores = torch.where(infinite.any(dim=-1, keepdim=True), limit, scores)
-    dead = torch.isneginf(scores).all(dim=-1)
-    if dead.any():
-        scores[dead] = fallback[dead].to(scores.dtype)
-    return scores
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    return torch.where(dead, fallback.to(scores.dtype), scores)

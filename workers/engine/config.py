@@ -1,0 +1,34 @@
+"""The engine's settings, with the defaults that differ between a CPU and a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int | None = None  # sequences that run at once (MindIE's maxBatchSize); None: 64 CPU, 256 GPU
+    max_seq_len: int = 2560  # prompt + generated tokens (maxSeqLen)
+    max_input_len: int = 2048  # prompt tokens (maxInputTokenLen)
+    max_iter_times: int = 512  # generated tokens per request (maxIterTimes)
+    max_tokens_per_step: int | None = None  # decode tokens plus prompt chunks, per step; None: 1024 CPU, 2048 GPU
+    block_size: int = 32  # tokens per KV cache block (gathers of smaller blocks are much slower on CPUs)
+    kv_cache_bytes: int | None = None  # None: 1 GiB on the CPU; on a GPU, gpu_memory_fraction of the free memory
+    gpu_memory_fraction: float = 0.9  # of the GPU memory free after the weights, the step's work and the graphs
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (GPU only)
+    attention: str = "auto"  # the attention kernels: auto (by device), triton, cpu or torch (attention.py)
+    aging_s: float = 10.0  # waiting this long makes a request one priority level more urgent
+
+    def for_device(self, device: torch.device) -> EngineConfig:
+        """These settings with every device default filled in."""
+        gpu = device.type == "cuda"
+        return replace(
+            self,
+            max_batch_size=self.max_batch_size or (256 if gpu else 64),
+            max_tokens_per_step=self.max_tokens_per_step or (2048 if gpu else 1024),
+            kv_cache_bytes=self.kv_cache_bytes or (None if gpu else _CPU_KV_CACHE_BYTES),
+        )
