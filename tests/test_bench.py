@@ -6,9 +6,11 @@ import json
 import subprocess
 
 from tests.processes import TOKENRELAY
+from tests.reference import bundled
+from tokenrelay.bench.engine import run_static_batches, run_transformers_continuous, workload
 
 
-def test_the_engine_bench_reports_the_engine_every_baseline_and_the_ratios():
+def test_the_engine_bench_reports_the_engine_every_baseline_the_ratios_and_decode_steps():
     run = subprocess.run(
         [
             TOKENRELAY,
@@ -26,6 +28,9 @@ def test_the_engine_bench_reports_the_engine_every_baseline_and_the_ratios():
             "2",
             "--max-batch-size",
             "4",
+            "--step-batches",
+            "1",
+            "3",
             "--json",
         ],
         capture_output=True,
@@ -42,6 +47,25 @@ def test_the_engine_bench_reports_the_engine_every_baseline_and_the_ratios():
     assert report["baselines"]["transformers_static_batches"]["output_tokens"] == tokens
     for result in (report["engine"], *report["baselines"].values()):
         assert result["tokens_per_s"] > 0 and 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]
+        assert result["timed_out"] is False and result["completed"] == result["requests"]
     for name, ratio in report["ratios"].items():
         expected = report["engine"]["tokens_per_s"] / report["baselines"][name]["tokens_per_s"]
         assert abs(ratio - expected) < 0.01
+    # Each method's line is printed as it finishes, the runs before the best.
+    lines = [line.split()[0] for line in run.stderr.splitlines() if "tok/s  TTFT" in line]
+    assert lines[:4] == ["engine", "transformers_static_batches", "engine", "transformers_static_batches"]
+    steps = report["decode_steps"]
+    assert [s["batch"] for s in steps] == [1, 3] and steps[1]["mean_context"] > 0
+    for step in steps:  # no CUDA graphs on the CPU
+        assert step["eager_ms"] > 0 and step["bound_ms"] > 0 and step["graphed_ms"] is None
+        assert abs(step["eager_over_bound"] - step["eager_ms"] / step["bound_ms"]) < 0.01
+
+
+def test_a_baseline_past_its_timeout_reports_what_it_made_by_then():
+    loaded = bundled()
+    requests = workload(4, (8, 16), (5, 9), loaded.vocab_size, seed=3)
+    static = run_static_batches(loaded, requests, 2, timeout_s=0.0)
+    # The first step of the first batch is already late: its two rows have one token each.
+    assert static.timed_out and static.completed == 0 and static.output_tokens == 2 and static.requests == 4
+    continuous = run_transformers_continuous(loaded, requests, timeout_s=0.0)
+    assert continuous.timed_out and continuous.completed < 4  # transformers takes tens of ms for any of them

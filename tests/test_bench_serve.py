@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from tests.processes import TOKENRELAY, serving
-from tokenrelay.bench_serve import compare, run_load, workload
+from tokenrelay.bench.serve import compare, run_load, workload
 
 
 @pytest.fixture(scope="module")

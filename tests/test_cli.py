@@ -35,6 +35,17 @@ def test_every_flag_can_come_from_the_environment(monkeypatch):
     assert args.max_batch_size == 7 and args.heartbeat_interval == 0.5
 
 
+def test_engine_sizes_default_per_device_and_the_gpu_memory_fraction_is_checked(monkeypatch, capsys):
+    args = _parse(monkeypatch, ["serve"])
+    assert (args.max_batch_size, args.max_tokens_per_step) == (0, 0)  # EngineConfig.for_device decides
+    assert args.gpu_memory_fraction == 0.9 and args.no_cuda_graphs is False
+    args = _parse(monkeypatch, ["serve", "--gpu-memory-fraction", "0.5", "--no-cuda-graphs"])
+    assert args.gpu_memory_fraction == 0.5 and args.no_cuda_graphs is True
+    with pytest.raises(SystemExit):
+        _parse(monkeypatch, ["serve", "--gpu-memory-fraction", "1.5"])
+    assert "--gpu-memory-fraction: 1.5 is not in (0, 1]" in capsys.readouterr().err
+
+
 def test_the_command_line_wins_over_the_environment(monkeypatch):
     args = _parse(monkeypatch, ["gateway", "--port", "9000", "--kafka-bootstrap", "a:1"], {"TOKENRELAY_PORT": "8000"})
     assert args.port == 9000

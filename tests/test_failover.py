@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.processes import Process, free_port, wait_ready
-from tokenrelay.bench_chaos import FAILURES, PROMPTS, Kind, Workers, run_chaos
+from tokenrelay.bench.chaos import FAILURES, PROMPTS, Kind, Workers, run_chaos
 from tokenrelay.topology import tokenrelay_processes
 from tokenrelay.topology import wait_ready as wait_gateway_ready
 

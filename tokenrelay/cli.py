@@ -118,6 +118,13 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
 def _worker_options(parser: argparse.ArgumentParser) -> None:
     _option(
         parser,
@@ -136,7 +143,13 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
     dtypes = ["", *DTYPE_NAMES]
     _option(parser, "--dtype", default="", choices=dtypes, help="model dtype; empty: bf16 on CUDA, fp32 on CPU")
-    _option(parser, "--max-batch-size", type=int, default=64, help="sequences that run at once (maxBatchSize)")
+    _option(
+        parser,
+        "--max-batch-size",
+        type=int,
+        default=0,
+        help="sequences that run at once (maxBatchSize); 0: 64 on the CPU, 256 on a GPU",
+    )
     _option(parser, "--max-seq-len", type=int, default=2560, help="prompt + generated tokens (maxSeqLen)")
     _option(parser, "--max-input-len", type=int, default=2048, help="prompt tokens (maxInputTokenLen)")
     _option(parser, "--max-iter-times", type=int, default=512, help="generated tokens per request (maxIterTimes)")
@@ -144,8 +157,9 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--max-tokens-per-step",
         type=int,
-        default=512,
-        help="tokens one engine step computes: a token per decoding sequence, the rest on prompt chunks",
+        default=0,
+        help="tokens one engine step computes: a token per decoding sequence, the rest on prompt chunks; "
+        "0: 1024 on the CPU, 2048 on a GPU",
     )
     _option(parser, "--block-size", type=int, default=32, help="tokens per KV cache block")
     _option(
@@ -153,7 +167,22 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=float,
         default=0.0,
-        help="GiB for the KV cache; 0: 1 GiB on the CPU, 80%% of the free memory on a GPU",
+        help="GiB for the KV cache; 0: 1 GiB on the CPU, --gpu-memory-fraction on a GPU",
+    )
+    _option(
+        parser,
+        "--gpu-memory-fraction",
+        type=_fraction,
+        default=0.9,
+        help="share of the GPU memory left after the weights, the largest step's work and the CUDA graphs "
+        "that the KV cache takes, in (0, 1]",
+    )
+    _option(
+        parser,
+        "--no-cuda-graphs",
+        action="store_true",
+        default=False,
+        help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
     )
     _option(
         parser,
@@ -268,13 +297,15 @@ def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
 
     names = args.served_model_name or [BUNDLED_MODEL_NAME if args.model == str(BUNDLED_MODEL) else args.model]
     config = EngineConfig(
-        max_batch_size=args.max_batch_size,
+        max_batch_size=args.max_batch_size or None,
         max_seq_len=args.max_seq_len,
         max_input_len=args.max_input_len,
         max_iter_times=args.max_iter_times,
-        max_tokens_per_step=args.max_tokens_per_step,
+        max_tokens_per_step=args.max_tokens_per_step or None,
         block_size=args.block_size,
         kv_cache_bytes=int(args.kv_cache_memory * 2**30) or None,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        cuda_graphs=not args.no_cuda_graphs,
         aging_s=args.priority_aging,
     )
     settings = WorkerSettings(
@@ -382,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         logs.configure("warning", process="bench")
-        module = f"tokenrelay.bench_{args.benchmark}" if args.benchmark != "engine" else "workers.engine.bench"
+        module = f"tokenrelay.bench.{args.benchmark}"
         importlib.import_module(module).main(args.options)
         return
     logs.configure(args.log_level, process=args.command)

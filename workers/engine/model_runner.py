@@ -129,6 +129,11 @@ class ModelRunner:
         ]
 
     @property
+    def graphed(self) -> bool:
+        """Whether decode steps replay CUDA graphs."""
+        return self._graphs is not None
+
+    @property
     def max_blocks_per_sequence(self) -> int:
         return -(-self._config.max_seq_len // self.block_size)
 
