@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 KAFKA_JARS := deploy/kafka/lib/.fetched
 
-.PHONY: install run test kafka lint clean
+.PHONY: install run test kafka lint gpu-check clean
 
 # uv installs torch's wheels in seconds where pip takes minutes; it lives in the venv.
 $(BIN)/.installed: pyproject.toml
@@ -30,6 +30,10 @@ kafka: $(KAFKA_JARS)
 
 test: install kafka
 	$(BIN)/pytest
+
+# On a machine with an NVIDIA GPU: the engine's exactness tests on CUDA and its GPU bench, one summary.
+gpu-check:
+	.ci/gpu-check
 
 # Style: ruff's rules as configured in pyproject.toml (uv fetches ruff on first use).
 lint: install

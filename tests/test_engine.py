@@ -24,6 +24,8 @@ from workers.bundled import BUNDLED_MODEL
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.model_loader import load_model, random_model
+from workers.engine.model_runner import ModelRunner, StepLayout
+from workers.engine.sampler import Draw, DrawBatch, choose
 
 # With the bundled model, greedy decoding ends these two with EOS within a few
 # tokens, and runs on past 400 tokens for the other two.
@@ -177,6 +179,34 @@ def test_the_triton_kernels_and_decode_graphs_equal_transformers_generate(loaded
     for request_id, (prompt, max_new) in zip(ids, workload, strict=True):
         assert _tokens(results[request_id]) == _reference(reference, prompt, max_new), request_id
     assert h.engine.stats()["reused_tokens"] >= 32  # the shared prefix's full block
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="waiting for a GPU is what this test looks for")
+def test_a_step_waits_for_the_gpu_only_to_read_its_tokens(loaded):
+    """Inputs and draws go up, the forward pass (graphed, and eager with a prompt chunk) and the sampler run,
+    and nothing waits for the GPU until the tokens are read."""
+    runner = ModelRunner(loaded, EngineConfig(kv_cache_bytes=64 << 20, max_batch_size=8).for_device(loaded.device))
+    decode = StepLayout([5, 6, 7], [39, 69, 4], [39, 32 * 4 + 5, 32 * 5 + 4], [[0, 1], [2, 3, 4], [5]],
+                        [40, 70, 5], 3, [], [0, 1, 2])  # fmt: skip
+    mixed = StepLayout(decode.ids + list(range(10, 20)), decode.positions + list(range(32, 42)),
+                       decode.slots + [32 * 7 + p for p in range(10)], [*decode.tables, [6, 7]],
+                       [*decode.lengths, 42], 3, [3, 13], [0, 1, 2, 12])  # fmt: skip
+    params = [
+        SamplingParams(seed=1),
+        SamplingParams(seed=2, do_sample=True, top_p=0.8, typical_p=0.7),
+        SamplingParams(seed=3, repetition_penalty=1.3),
+        SamplingParams(seed=4, do_sample=True, top_k=3),
+    ]
+    for step in (decode, mixed):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            draws = DrawBatch.of([Draw(p, (5, 6, 7), 3) for p in params[: len(step.sample_rows)]], 32000, TEST_DEVICE)
+            tokens = choose(runner.head.logits(runner.forward(step)), draws)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert len(tokens.tolist()) == len(step.sample_rows)
+    assert runner.graphed
 
 
 def test_events_describe_every_token(loaded, harness):

@@ -29,6 +29,7 @@ from workers.engine.model_loader import LoadedModel
 from workers.engine.output_head import OutputHead
 from workers.engine.sampler import Draw, DrawBatch, choose
 from workers.engine.scheduler import Chunk
+from workers.engine.transfer import to_device
 
 log = structlog.get_logger(__name__)
 _GIB = 2**30
@@ -166,7 +167,7 @@ class ModelRunner:
             heads = self._model.config.num_attention_heads
             tiles = prefill_tiles(step.query_starts, prefill_rows(self._model.dtype, heads, self._kv_heads))
         parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts, tiles, tables]
-        flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long).to(self._device)
+        flat = to_device(torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long), self._device)
         ids, positions, slots, lengths, sample_rows, query_starts, tiles_, flat_tables = flat.split(
             list(map(len, parts))
         )

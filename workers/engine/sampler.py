@@ -22,6 +22,7 @@ import torch
 
 from schemas.messages import SamplingParams
 from workers.engine.output_head import OutputHead
+from workers.engine.transfer import to_device
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: spreads nearby seeds apart
 _U64 = 2**64
@@ -85,10 +86,10 @@ class DrawBatch:
             if d.params.repetition_penalty != 1.0
             for token in set(d.token_ids)
         ]
-        indices = torch.tensor([*sampling, *seen], dtype=torch.long).to(device)  # one copy for both
+        indices = to_device(torch.tensor([*sampling, *seen], dtype=torch.long), device)  # one copy for both
         return cls(
             draws=draws,
-            values=torch.tensor(values, dtype=torch.float64).reshape(-1, 6).T.contiguous().to(device),
+            values=to_device(torch.tensor(values, dtype=torch.float64).reshape(-1, 6).T.contiguous(), device),
             seen=indices[len(sampling) :] if seen else None,
             sampling=indices[: len(sampling)] if sampling else None,
             plain=[row for row, p in enumerate(params) if not p.do_sample and p.repetition_penalty == 1.0],
