@@ -211,9 +211,10 @@ def _generate(loaded: LoadedModel, batch: list[Request], pad: int, clock: _StepC
     for row, request in enumerate(batch):
         ids[row, length - len(request.prompt) :] = torch.tensor(request.prompt, device=loaded.device)
         mask[row, length - len(request.prompt) :] = 1
-    config = GenerationConfig(
-        max_new_tokens=max(r.output_len for r in batch), do_sample=False, eos_token_id=None, pad_token_id=pad
-    )
+    longest = max(r.output_len for r in batch)
+    # EOS ignored, as the engine's requests ignore it: min_new_tokens keeps generate from stopping at one
+    # (the model's own eos_token_id fills in an unset one).
+    config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
         loaded.model.generate(
             ids, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([clock])

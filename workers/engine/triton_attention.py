@@ -62,20 +62,20 @@ def _store_kernel(
 
 
 @triton.jit
-def _scores(q, k, scale, USE_DOT: tl.constexpr):
+def _scores(q, k, scale, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """q [rows, dim] . k [tokens, dim]^T -> [rows, tokens]."""
     if USE_DOT:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     else:
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
     return s * scale
 
 
 @triton.jit
-def _weighted(p, v, USE_DOT: tl.constexpr):
+def _weighted(p, v, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """p [rows, tokens] . v [tokens, dim] -> [rows, dim]."""
     if USE_DOT:
-        out = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        out = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     else:
         out = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     return out
@@ -107,6 +107,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     PARTIAL: tl.constexpr,
     USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
     ACC: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -134,7 +135,7 @@ def _decode_kernel(
         offsets = ((head_base + block) * BLOCK_SIZE + t[:, None]) * DIM + d[None, :]
         kv_mask = (positions[:, None] < length) & (d[None, :] < DIM)
         k = tl.load(key_cache + offsets, mask=kv_mask, other=0.0)
-        s = _scores(q, k, scale, USE_DOT).to(ACC)
+        s = _scores(q, k, scale, USE_DOT, PRECISION).to(ACC)
         s = tl.where((positions < length)[None, :], s, float("-inf"))
         # Every block in [first, last) holds a token: the new maximum is finite.
         new_top = tl.maximum(top, tl.max(s, axis=1))
@@ -142,7 +143,7 @@ def _decode_kernel(
         p = tl.exp(s - new_top[:, None])
         total = total * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache + offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _weighted(p, v, USE_DOT).to(ACC)
+        acc = acc * alpha[:, None] + _weighted(p, v, USE_DOT, PRECISION).to(ACC)
         top = new_top
 
     if PARTIAL:  # unnormalised, with its own maximum: _merge_kernel weighs the splits
@@ -210,6 +211,7 @@ def _prefill_kernel(
     DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
     ACC: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -241,7 +243,7 @@ def _prefill_kernel(
         offsets = ((head_base + block) * BLOCK_SIZE + t[:, None]) * DIM + d[None, :]
         kv_mask = (key_positions[:, None] < length) & (d[None, :] < DIM)
         k = tl.load(key_cache + offsets, mask=kv_mask, other=0.0)
-        s = _scores(q, k, scale, USE_DOT).to(ACC)
+        s = _scores(q, k, scale, USE_DOT, PRECISION).to(ACC)
         s = tl.where(key_positions[None, :] <= positions[:, None], s, float("-inf"))
         # Rows past the chunk, or heads past the group, see nothing: keep their state at zero, not NaN.
         new_top = tl.maximum(top, tl.max(s, axis=1))
@@ -250,7 +252,7 @@ def _prefill_kernel(
         p = tl.exp(s - safe_top[:, None])
         total = total * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache + offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _weighted(p, v, USE_DOT).to(ACC)
+        acc = acc * alpha[:, None] + _weighted(p, v, USE_DOT, PRECISION).to(ACC)
         top = new_top
     result = acc / tl.where(total == 0, 1.0, total)[:, None]
     target = out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
@@ -259,6 +261,11 @@ def _prefill_kernel(
 
 def _accumulator(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 products exact, not rounded to TF32; 16-bit ones take the default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _use_dot(dtype: torch.dtype, block_size: int, dim: int) -> bool:
@@ -333,6 +340,7 @@ def decode_attention(query, key_cache, value_cache, block_tables, lengths, scale
         BLOCK_D=block_d,
         PARTIAL=partial,
         USE_DOT=use_dot,
+        PRECISION=_precision(query.dtype),
         ACC=_accumulator(query.dtype),
     )
     if partial:
@@ -397,5 +405,6 @@ def prefill_attention(
         DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim),
         USE_DOT=_use_dot(query.dtype, block_size, dim),
+        PRECISION=_precision(query.dtype),
         ACC=_accumulator(query.dtype),
     )
