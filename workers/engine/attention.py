@@ -70,6 +70,9 @@ def decode_kernel():
         return None
 
 
+KERNELS = ("triton", "cpu", "torch")
+
+
 def kernels_for(device: torch.device) -> str:
     if device.type == "cuda":
         return "triton"

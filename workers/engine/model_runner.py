@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from schemas.messages import SamplingParams
-from workers.engine.attention import IMPLEMENTATION, PagedBatch, PromptChunk, kernels_for
+from workers.engine.attention import IMPLEMENTATION, KERNELS, PagedBatch, PromptChunk, kernels_for
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.model_loader import LoadedModel
@@ -90,6 +90,8 @@ class ModelRunner:
         self._config = config
         self.block_size = config.block_size
         self.kernels = kernels_for(self._device) if config.attention == "auto" else config.attention
+        if self.kernels not in KERNELS:
+            raise ValueError(f"attention {config.attention!r} is none of auto, {', '.join(KERNELS)}")
         self._model.set_attn_implementation(IMPLEMENTATION)
         self.head = OutputHead(self._model.get_output_embeddings())
         model_config = self._model.config
@@ -154,21 +156,23 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepLayout, graphs: bool = True) -> torch.Tensor:
         """The last hidden states of `step.sample_rows`; `graphs=False` runs a decode step eagerly."""
-        replay = graphs and self._graphs is not None and step.decodes == len(step.lengths)
-        return self._run(step, self._kv, replay and step.decodes <= self._graphs.max_batch_size)
+        decode_only = step.decodes == len(step.lengths)
+        replay = graphs and self._graphs is not None and decode_only and step.decodes <= self._graphs.max_batch_size
+        return self._run(step, self._kv, replay)
 
     def _run(self, step: StepLayout, kv, replay: bool) -> torch.Tensor:
         width = max(len(t) for t in step.tables)
         tables = [block for t in step.tables for block in (*t, *[0] * (width - len(t)))]
-        tiles: list[int] = []
+        prefill_work: list[int] = []  # the Triton prefill kernel's tiles
         if step.query_starts and self.kernels == "triton":
             from workers.engine.triton_attention import prefill_rows, prefill_tiles
 
             heads = self._model.config.num_attention_heads
-            tiles = prefill_tiles(step.query_starts, prefill_rows(self._model.dtype, heads, self._kv_heads))
-        parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts, tiles, tables]
+            prefill_work = prefill_tiles(step.query_starts, prefill_rows(self._model.dtype, heads, self._kv_heads))
+        parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts]
+        parts += [prefill_work, tables]
         flat = to_device(torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long), self._device)
-        ids, positions, slots, lengths, sample_rows, query_starts, tiles_, flat_tables = flat.split(
+        ids, positions, slots, lengths, sample_rows, query_starts, tiles, flat_tables = flat.split(
             list(map(len, parts))
         )
         block_tables = flat_tables.view(len(step.tables), width)
@@ -183,8 +187,8 @@ class ModelRunner:
                 block_tables=block_tables,
                 lengths=lengths,
                 splits=self.decode_splits(step.decodes, width) if self.kernels == "triton" else 1,
-                query_starts=query_starts if tiles else None,
-                tiles=tiles_ if tiles else None,
+                query_starts=query_starts if prefill_work else None,
+                tiles=tiles if prefill_work else None,
                 prompts=self._prompt_chunks(step) if self.kernels != "triton" else (),
             )
             hidden = self._forward(ids, positions, batch)
