@@ -144,6 +144,19 @@ def test_a_mixed_batch_draws_each_row_as_it_would_alone():
     assert together[0] == int(logits[0].argmax()) and together[1] != int(logits[1].argmax())
 
 
+def test_the_gpu_noise_of_a_row_depends_on_its_seed_alone_and_is_exponential():
+    """The Triton noise kernel (interpreted on the CPU): Exp(1) by token, keyed by the row's noise seed."""
+    from workers.engine.triton_sampling import exponential_noise
+
+    seeds = [noise_seed(7, 3), noise_seed(2**64 - 1, 10**6), noise_seed(7, 3), noise_seed(7, 4)]
+    signed = torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds], device=TEST_DEVICE)
+    noise = exponential_noise(signed, 3000).cpu()
+    alone = exponential_noise(signed[1:2], 3000).cpu()
+    assert torch.equal(noise[0], noise[2]) and torch.equal(noise[1], alone[0])
+    assert not torch.equal(noise[0], noise[3]) and not torch.equal(noise[0], noise[1])
+    assert (noise > 0).all() and abs(noise.mean().item() - 1.0) < 0.05 and abs(noise.std().item() - 1.0) < 0.05
+
+
 def test_largest_seed_is_usable():
     assert 0 <= noise_seed(2**64 - 1, 10**6) < 2**64
     _draw(SamplingParams(seed=2**64 - 1, do_sample=True), _logits(), index=3)

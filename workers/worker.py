@@ -69,7 +69,7 @@ class _Taken:
 
     delivery: Delivery
     timer: RequestTimer
-    cancelled: bool = False
+    cancelled_at: float | None = None  # time.monotonic() when its cancellation reached this worker
 
     @property
     def priority(self) -> int:
@@ -114,7 +114,7 @@ class Worker:
             settings.heartbeat_interval_s, _GATEWAY_SILENCE_S, _CONTROL_STUCK_S, _FORGET_GONE_GATEWAY_S
         )
         self._drops: list[tuple[Delivery, ErrorInfo | None]] = []  # taken only to be dropped, and why
-        self._steps: asyncio.Queue[list[TokenEvent]] = asyncio.Queue()
+        self._steps: asyncio.Queue[tuple[float, list[TokenEvent]]] = asyncio.Queue()  # (computed at, events)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: RequestQueue | None = None
         self._control: Listener | None = None
@@ -160,7 +160,7 @@ class Worker:
 
     def _on_engine_step(self, events: list[TokenEvent]) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._steps.put_nowait, events)
+        self._loop.call_soon_threadsafe(self._steps.put_nowait, (time.monotonic(), events))
 
     # -- taking requests
 
@@ -229,7 +229,9 @@ class Worker:
 
     async def _publish_events(self, queue: RequestQueue) -> None:
         while True:
-            events = await self._steps.get()
+            # A step's events may wait here while earlier ones are published: when they were computed
+            # tells whether the engine made them after a cancellation came.
+            computed_at, events = await self._steps.get()
             now = time.time()
             by_gateway: dict[str, list[TokenEvent]] = defaultdict(list)
             for event in events:
@@ -238,7 +240,7 @@ class Worker:
                     continue
                 by_gateway[taken.delivery.request.reply_to].append(event)
                 taken.timer.event(event, now)
-                if taken.cancelled:
+                if taken.cancelled_at is not None and computed_at > taken.cancelled_at:
                     TOKENS_AFTER_CANCEL.labels(self.model.name).inc(len(event.token_ids))
             await asyncio.gather(*(self._publish(topic, batch) for topic, batch in by_gateway.items()))
             for event in events:
@@ -283,9 +285,9 @@ class Worker:
             self._cancelled[cancel.request_id] = cancel  # a later delivery of what it covers is skipped
 
     def _cancel(self, taken: _Taken, reason: str) -> None:
-        if taken.cancelled:
+        if taken.cancelled_at is not None:
             return
-        taken.cancelled = True
+        taken.cancelled_at = time.monotonic()
         request_id = taken.delivery.request.request_id
         self._engine.cancel(request_id)
         self._metrics.cancellations.labels(self.model.name, reason).inc()

@@ -110,10 +110,17 @@ class BlockManager:
 
     def computed(self, sequence: Sequence, num_cached_tokens: int) -> None:
         """The KV of the sequence's first `num_cached_tokens` tokens now exists: register its full blocks."""
-        tokens = sequence.token_ids
         first_new = sequence.num_cached_tokens // self.block_size
-        previous = self._blocks[sequence.block_table[first_new - 1]].hash if first_new else 0
-        for index in range(first_new, num_cached_tokens // self.block_size):
+        full = num_cached_tokens // self.block_size
+        if full > first_new:  # a block filled up (once every block_size decode steps)
+            self._register(sequence, first_new, full)
+        sequence.num_cached_tokens = num_cached_tokens
+
+    def _register(self, sequence: Sequence, first: int, end: int) -> None:
+        """Register the sequence's full blocks first..end-1 under their chained hashes."""
+        tokens = sequence.token_ids
+        previous = self._blocks[sequence.block_table[first - 1]].hash if first else 0
+        for index in range(first, end):
             block_id = sequence.block_table[index]
             block = self._blocks[block_id]
             chunk = tokens[index * self.block_size : (index + 1) * self.block_size]
@@ -121,4 +128,3 @@ class BlockManager:
             if block.hash is None:
                 block.hash, block.tokens = previous, tuple(chunk)
                 self._by_hash.setdefault(previous, block_id)
-        sequence.num_cached_tokens = num_cached_tokens

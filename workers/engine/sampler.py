@@ -1,15 +1,19 @@
 """Draw the next token of every sequence of a step at once, each with its own parameters.
 
 Greedy rows take the argmax. Sampling rows go through temperature, top-k,
-top-p and typical-p as transformers applies them, then draw by inverse
-transform: the token whose share of the kept probability mass covers a
-uniform number u. The u of token i of a request comes from (seed, i) alone:
-whatever else is in the batch, after a preemption, and on any worker, a
-seeded request draws the same tokens.
+top-p and typical-p as transformers applies them, then draw with the
+exponential race (argmax of p / E, E ~ Exp(1)), which picks token i with
+probability p_i. The noise of token i of a request comes from a seed made of
+(seed, i) alone: whatever else is in the batch, after a preemption, and on
+any worker, a seeded request draws the same tokens (on the same kind of
+device: a CPU draws its noise from a torch generator per row, a GPU from one
+Triton launch for the batch, triton_sampling.py). The race is robust to the
+last-bit differences between a batched and a lone forward pass: a token
+changes only if two candidates tie within them.
 
 The whole batch is one set of tensor operations on the device that computed
 its logits: the parameters go up in one copy before the step's forward pass
-(`DrawBatch.to`), and the tokens come back in one read; nothing in between
+(`DrawBatch.of`), and the tokens come back in one read; nothing in between
 waits for the device.
 """
 
@@ -26,7 +30,6 @@ from workers.engine.transfer import to_device
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: spreads nearby seeds apart
 _U64 = 2**64
-_MASK = _U64 - 1
 
 
 @dataclass(frozen=True)
@@ -42,16 +45,8 @@ def noise_seed(seed: int, token_index: int) -> int:
     return (seed + (token_index + 1) * _GOLDEN_GAMMA) % _U64
 
 
-def uniform(seed: int, token_index: int) -> float:
-    """The u in [0, 1) of token `token_index` of a request seeded `seed` (splitmix64's output function)."""
-    z = noise_seed(seed, token_index)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
-
-
 # The rows of DrawBatch.values
-_TEMPERATURE, _TOP_K, _TOP_P, _TYPICAL_P, _PENALTY, _UNIFORM = range(6)
+_TEMPERATURE, _TOP_K, _TOP_P, _TYPICAL_P, _PENALTY = range(5)
 
 
 @dataclass(frozen=True)
@@ -59,9 +54,10 @@ class DrawBatch:
     """A step's draws as tensors: per-row parameters, and the tokens a repetition penalty applies to."""
 
     draws: list[Draw]
-    values: torch.Tensor  # [6, rows] float64: temperature, top_k (vocab: all), top_p, typical_p, penalty, u
+    values: torch.Tensor  # [5, rows] float64: temperature, top_k (vocab: all), top_p, typical_p, penalty
     seen: torch.Tensor | None  # flat indices row * vocab + token of the tokens a penalty applies to
     sampling: torch.Tensor | None  # the rows that sample; None: none does
+    noise_seeds: torch.Tensor | None  # per sampling row: noise_seed(seed, index) as int64 (two's complement)
     plain: list[int]  # rows that take the plain argmax (no sampling, no penalty)
     typical: bool  # whether a sampling row has typical_p < 1
 
@@ -75,23 +71,24 @@ class DrawBatch:
                 p.top_p,
                 p.typical_p or 1.0,
                 p.repetition_penalty,
-                uniform(p.seed, d.index),
             )
-            for p, d in zip(params, draws, strict=True)
+            for p in params
         ]
         sampling = [row for row, p in enumerate(params) if p.do_sample]
+        seeds = [_signed(noise_seed(draws[row].params.seed, draws[row].index)) for row in sampling]
         seen = [
             row * vocab + token
             for row, d in enumerate(draws)
             if d.params.repetition_penalty != 1.0
             for token in set(d.token_ids)
         ]
-        indices = to_device(torch.tensor([*sampling, *seen], dtype=torch.long), device)  # one copy for both
+        indices = to_device(torch.tensor([*sampling, *seeds, *seen], dtype=torch.long), device)  # one copy
         return cls(
             draws=draws,
-            values=to_device(torch.tensor(values, dtype=torch.float64).reshape(-1, 6).T.contiguous(), device),
-            seen=indices[len(sampling) :] if seen else None,
+            values=to_device(torch.tensor(values, dtype=torch.float64).reshape(-1, 5).T.contiguous(), device),
+            seen=indices[2 * len(sampling) :] if seen else None,
             sampling=indices[: len(sampling)] if sampling else None,
+            noise_seeds=indices[len(sampling) : 2 * len(sampling)] if sampling else None,
             plain=[row for row, p in enumerate(params) if not p.do_sample and p.repetition_penalty == 1.0],
             typical=any(params[row].typical_p is not None and params[row].typical_p < 1.0 for row in sampling),
         )
@@ -127,17 +124,16 @@ def choose(logits: torch.Tensor, batch: DrawBatch) -> torch.Tensor:
     tokens = scores.argmax(dim=-1)
     if batch.sampling is not None:
         rows = batch.sampling
-        tokens[rows] = _draw(scores[rows], batch.values[:, rows], logits[rows], batch.typical)
+        tokens[rows] = _draw(scores[rows], batch.values[:, rows], logits[rows], batch.typical, batch.noise_seeds)
     return tokens
 
 
-def _draw(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, typical: bool) -> torch.Tensor:
-    """values: the rows' DrawBatch.values, float64."""
+def _draw(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, typical: bool, seeds: torch.Tensor):
+    """values: the rows' DrawBatch.values (float64); seeds: their noise seeds."""
     vocab = scores.shape[-1]
-    uniforms = values[_UNIFORM].unsqueeze(1)
     values = values.to(scores.dtype)
     scores = _finite_limit(scores / values[_TEMPERATURE].unsqueeze(1), logits)
-    # Stable: tied tokens keep their order whatever the batch, so that the draw does not depend on it.
+    # Stable: tied tokens keep one order whatever the batch, so top-k keeps the same ones.
     ordered, order = scores.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
     ordered = ordered.masked_fill(ranks >= values[_TOP_K].unsqueeze(1), float("-inf"))  # top-k
@@ -149,12 +145,29 @@ def _draw(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, typi
         mass = values[_TYPICAL_P].unsqueeze(1)
         ordered = torch.where(mass < 1.0, _typical(ordered, mass), ordered)
     probabilities = ordered.softmax(dim=-1)  # the best token of each row is finite: never all -inf
-    cumulative = probabilities.double().cumsum(dim=-1)
-    target = uniforms * cumulative[:, -1:]
-    choice = torch.searchsorted(cumulative, target, right=True)
-    # u * total may round up to the total: stay on the last token that has mass (cumulative's first maximum)
-    choice = torch.minimum(choice, cumulative.argmax(dim=-1, keepdim=True))
-    return order.gather(1, choice).squeeze(1)
+    noise = _exponential_noise(seeds, vocab, scores).gather(1, order)  # by token id, whatever the order
+    choice = (probabilities / noise).argmax(dim=-1)
+    return order.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _exponential_noise(seeds: torch.Tensor, vocab: int, like: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] of like's dtype, row r from seeds[r] alone."""
+    if seeds.device.type == "cuda":
+        from workers.engine.triton_sampling import exponential_noise
+
+        return exponential_noise(seeds, vocab).to(like.dtype)
+    # On CPUs a torch generator per row costs least (counter-based noise in tensor ops costs several times more).
+    return torch.stack(
+        [
+            torch.empty(vocab, dtype=like.dtype).exponential_(generator=torch.Generator().manual_seed(seed % _U64))
+            for seed in seeds.tolist()
+        ]
+    )
+
+
+def _signed(value: int) -> int:
+    """A 64-bit unsigned value as the int64 with the same bits."""
+    return value - _U64 if value >= 2**63 else value
 
 
 def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
