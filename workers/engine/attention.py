@@ -98,7 +98,8 @@ class PagedBatch:
 
     Rows [0, decodes) of the packed batch are sequences decoding one token;
     prompt chunks follow. `block_tables` and `lengths` have a row per
-    decoding sequence, then (for the "triton" kernels) one per prompt chunk.
+    decoding sequence, then one per prompt chunk (read by the "triton"
+    kernels; the others take `prompts`).
     """
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), [kv_heads, blocks, block_size, dim]
