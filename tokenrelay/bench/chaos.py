@@ -161,9 +161,11 @@ async def run_chaos(
                 n += concurrency
 
         async def killer() -> None:
-            kills = 0
-            while time.monotonic() + kill_every_s < stop_at + 1:
-                await asyncio.sleep(kill_every_s)
+            # At fixed times (every kill_every_s from the start, before the end): how long a restart
+            # takes must not change how many kills a run has.
+            started, kills = stop_at - duration_s, 0
+            while (at := started + (kills + 1) * kill_every_s) < stop_at:
+                await asyncio.sleep(at - time.monotonic())
                 workers.kill_and_restart(kills % len(workers.processes))
                 kills += 1
             tally["kills"] = kills
