@@ -349,6 +349,14 @@ def test_a_request_past_its_deadline_ends_with_a_timeout(harness):
     assert events[-1].error.status == 504 and events[-1].error.error_type == "Timeout"
 
 
+def test_batch_step_and_cache_sizes_default_per_device_and_settings_given_stay():
+    cpu, gpu = EngineConfig().for_device(torch.device("cpu")), EngineConfig().for_device(torch.device("cuda"))
+    assert (cpu.max_batch_size, cpu.max_tokens_per_step, cpu.kv_cache_bytes) == (64, 1024, 1 << 30)
+    assert (gpu.max_batch_size, gpu.max_tokens_per_step, gpu.kv_cache_bytes) == (256, 2048, None)
+    given = EngineConfig(max_batch_size=8, max_tokens_per_step=100, kv_cache_bytes=5).for_device(torch.device("cuda"))
+    assert (given.max_batch_size, given.max_tokens_per_step, given.kv_cache_bytes) == (8, 100, 5)
+
+
 def test_a_cache_smaller_than_max_seq_len_is_refused(loaded):
     with pytest.raises(ValueError, match="fewer than max_seq_len 2560"):
         Engine(loaded, EngineConfig(kv_cache_bytes=10 * BLOCK_BYTES_F64), lambda events: None)
