@@ -90,14 +90,14 @@ def test_the_gather_path_equals_plain_attention(heads, kv_heads, dim):
 def test_the_triton_decode_kernel_equals_the_gather_path(heads, kv_heads, dim, block_size, dtype, splits):
     from workers.engine.triton_attention import decode_attention
 
-    lengths = [1, 5, block_size, block_size + 1, 100, 0, 257]  # 0: a padding row of a CUDA graph
+    lengths = [1, 5, block_size, block_size + 1, 0, 150]  # 0: a padding row of a CUDA graph
     keys, values, tables, _ = _paged(kv_heads, dim, lengths, block_size, dtype, TEST_DEVICE)
     q = torch.randn(len(lengths), heads, dim).to(dtype)
     out = torch.full_like(q, float("nan"), device=TEST_DEVICE)
     lengths_tensor = torch.tensor(lengths, device=TEST_DEVICE)
     decode_attention(q.to(TEST_DEVICE), keys, values, tables, lengths_tensor, dim**-0.5, out, splits)
     expected = _gathered_decode(q, keys, values, tables, lengths, dim**-0.5)
-    expected[5] = 0  # a row that sees nothing comes out as zeros (and not NaN)
+    expected[4] = 0  # a row that sees nothing comes out as zeros (and not NaN)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)
 

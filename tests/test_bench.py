@@ -67,5 +67,5 @@ def test_a_baseline_past_its_timeout_reports_what_it_made_by_then():
     static = run_static_batches(loaded, requests, 2, timeout_s=0.0)
     # The first step of the first batch is already late: its two rows have one token each.
     assert static.timed_out and static.completed == 0 and static.output_tokens == 2 and static.requests == 4
-    continuous = run_transformers_continuous(loaded, requests, timeout_s=0.0)
+    continuous = run_transformers_continuous(loaded, requests, timeout_s=0.0, kv_cache_bytes=64 << 20)
     assert continuous.timed_out and continuous.completed < 4  # transformers takes tens of ms for any of them

@@ -40,9 +40,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
-    """Bytes per second a large on-device copy moves (each byte read once and written once)."""
-    source = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second a large on-device copy moves (each byte read once and written once): 1 GiB on a GPU,
+    whose caches hold tens of MiB; 256 MiB on a CPU, whose caches hold a few."""
+    source = torch.empty((2**30 if device.type == "cuda" else 2**28) // 4, dtype=torch.float32, device=device)
     target = torch.empty_like(source)
     target.copy_(source)  # warm up
     _sync(device)

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LogitsProcessor, LogitsProcessorList
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LogitsProcessor, LogitsProcessorList
 
 from schemas.messages import GenerationRequest, SamplingParams
 from tokenrelay.bench.decode_step import time_decode_steps
@@ -248,10 +248,19 @@ def run_static_batches(loaded: LoadedModel, requests: list[Request], batch_size:
     return _result(requests, started, first, last)
 
 
-def run_transformers_continuous(loaded: LoadedModel, requests: list[Request], timeout_s: float) -> Result:
-    """Finished requests only count: transformers reports a request's tokens when it ends."""
+def run_transformers_continuous(
+    loaded: LoadedModel, requests: list[Request], timeout_s: float, kv_cache_bytes: int | None = None
+) -> Result:
+    """Finished requests only count: transformers reports a request's tokens when it ends. `kv_cache_bytes`:
+    the engine's KV budget, given to transformers too (None: transformers sizes its cache itself)."""
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=loaded.tokenizer.pad_token_id or 0)
-    manager = loaded.model.init_continuous_batching(generation_config=config)
+    batching = ContinuousBatchingConfig()
+    if kv_cache_bytes is not None:  # else, on a CPU, it takes most of the free memory, which takes seconds
+        model = loaded.model.config
+        head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
+        per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * head_dim * loaded.model.dtype.itemsize
+        batching.num_blocks = max(1, kv_cache_bytes // (per_token * batching.page_size))
+    manager = loaded.model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
     manager.start()
     timed_out = False
     try:
@@ -413,7 +422,8 @@ def main(argv: list[str] | None = None) -> None:
         _print("transformers_one_at_a_time", baselines["transformers_one_at_a_time"], out)
     if "continuous" not in args.skip:
         subset = requests[: args.continuous_batching]
-        result = run_transformers_continuous(baseline_model, subset, args.baseline_timeout)
+        kv_budget = engine_config.for_device(engine_model.device).kv_cache_bytes
+        result = run_transformers_continuous(baseline_model, subset, args.baseline_timeout, kv_budget)
         baselines["transformers_continuous_batching"] = result
         _print("transformers_continuous_batching", result, out)
     del baseline_model
