@@ -19,7 +19,7 @@ import torch
 
 from schemas.messages import SamplingParams
 from workers.engine.config import EngineConfig
-from workers.engine.model_loader import LoadedModel
+from workers.engine.model_loader import KVGeometry, LoadedModel
 from workers.engine.model_runner import ModelRunner, StepLayout
 from workers.engine.sampler import Draw, DrawBatch, sample
 
@@ -64,10 +64,7 @@ def decode_bytes(loaded: LoadedModel, contexts: list[int]) -> int:
     embedding = model.get_input_embeddings().weight
     if embedding is not model.get_output_embeddings().weight:
         weights -= embedding.numel() * embedding.element_size()
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
-    return weights + sum(contexts) * per_token
+    return weights + sum(contexts) * KVGeometry.of(model).bytes_per_token
 
 
 def _decode_step(contexts: list[int], block_size: int, vocab: int) -> StepLayout:
@@ -102,7 +99,8 @@ def time_decode_steps(
     """A StepTiming per batch size, printed to `out` as each is measured."""
     device = loaded.device
     bandwidth = copy_bandwidth(device)
-    runner = ModelRunner(loaded, config.for_device(device))
+    config = config.for_device(device)
+    runner = ModelRunner(loaded, config)
     if out is not None:
         print(f"decode steps (copy bandwidth {bandwidth / 1e9:.1f} GB/s):", file=out, flush=True)
     timings = []
@@ -116,7 +114,7 @@ def time_decode_steps(
         draws = DrawBatch.of([Draw(SamplingParams(seed=0), (), 0)] * batch, runner.head.vocab_size, device)
         eager = _median_ms(runner, step, draws, False, repeats)
         graphed = None
-        if runner.graphed and batch <= config.for_device(device).max_batch_size:
+        if runner.graphed and batch <= config.max_batch_size:
             graphed = _median_ms(runner, step, draws, True, repeats)
         bound = decode_bytes(loaded, contexts) / bandwidth * 1000
         timing = StepTiming(

@@ -40,7 +40,7 @@ from tokenrelay.bench.decode_step import time_decode_steps
 from workers.bundled import BUNDLED_MODEL
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.model_loader import LoadedModel, load_model, random_model
+from workers.engine.model_loader import KVGeometry, LoadedModel, load_model, random_model
 
 # Randomly initialised Llamas for GPU timing without weights, with the bundled tokenizer's vocabulary:
 # ~1.1 B parameters (TinyLlama's shape), and Llama-3-8B's shape (7.5 B with this vocabulary).
@@ -256,9 +256,7 @@ def run_transformers_continuous(
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=loaded.tokenizer.pad_token_id or 0)
     batching = ContinuousBatchingConfig()
     if kv_cache_bytes is not None:  # else, on a CPU, it takes most of the free memory, which takes seconds
-        model = loaded.model.config
-        head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
-        per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * head_dim * loaded.model.dtype.itemsize
+        per_token = KVGeometry.of(loaded.model).bytes_per_token
         batching.num_blocks = max(1, kv_cache_bytes // (per_token * batching.page_size))
     manager = loaded.model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
     manager.start()

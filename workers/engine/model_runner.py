@@ -25,7 +25,7 @@ from schemas.messages import SamplingParams
 from workers.engine.attention import IMPLEMENTATION, KERNELS, PagedBatch, PromptChunk, kernels_for
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
-from workers.engine.model_loader import LoadedModel
+from workers.engine.model_loader import KVGeometry, LoadedModel
 from workers.engine.output_head import OutputHead
 from workers.engine.sampler import Draw, DrawBatch, choose
 from workers.engine.scheduler import Chunk
@@ -94,23 +94,16 @@ class ModelRunner:
             raise ValueError(f"attention {config.attention!r} is none of auto, {', '.join(KERNELS)}")
         self._model.set_attn_implementation(IMPLEMENTATION)
         self.head = OutputHead(self._model.get_output_embeddings())
-        model_config = self._model.config
-        self._kv_heads = model_config.num_key_value_heads
-        self._head_dim = getattr(model_config, "head_dim", None) or (
-            model_config.hidden_size // model_config.num_attention_heads
-        )
-        self._layers = model_config.num_hidden_layers
+        self._geometry = KVGeometry.of(self._model)
         gpu = self._device.type == "cuda"
         self._processors = (
             torch.cuda.get_device_properties(self._device).multi_processor_count if gpu else os.cpu_count()
         )
         graphs = config.cuda_graphs and self.kernels == "triton" and (gpu or capture is not None)
-        bytes_per_block = (
-            2 * self._layers * self.block_size * self._kv_heads * self._head_dim * self._model.dtype.itemsize
-        )
+        bytes_per_block = self._geometry.bytes_per_token * self.block_size
         kv_bytes = config.kv_cache_bytes or self._gpu_kv_cache_bytes(graphs)
         self.num_blocks = max(1, kv_bytes // bytes_per_block)
-        self._kv = self._allocate(self.num_blocks)
+        self._cache = self._allocate(self.num_blocks)
         log.info(
             "kv_cache_allocated",
             blocks=self.num_blocks,
@@ -124,11 +117,11 @@ class ModelRunner:
             self._graphs = self._capture(capture or cuda_graph_capture())
 
     def _allocate(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self._kv_heads, blocks, self.block_size, self._head_dim)  # see attention.py for why
+        shape = (self._geometry.kv_heads, blocks, self.block_size, self._geometry.head_dim)  # see attention.py for why
         dtype = self._model.dtype
         return [
             (torch.zeros(shape, dtype=dtype, device=self._device), torch.zeros(shape, dtype=dtype, device=self._device))
-            for _ in range(self._layers)
+            for _ in range(self._geometry.layers)
         ]
 
     @property
@@ -143,7 +136,7 @@ class ModelRunner:
     def decode_splits(self, sequences: int, max_blocks: int) -> int:
         from workers.engine.triton_attention import decode_splits
 
-        return decode_splits(sequences, self._kv_heads, max_blocks, self._processors)
+        return decode_splits(sequences, self._geometry.kv_heads, max_blocks, self._processors)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -158,7 +151,7 @@ class ModelRunner:
         """The last hidden states of `step.sample_rows`; `graphs=False` runs a decode step eagerly."""
         decode_only = step.decodes == len(step.lengths)
         replay = graphs and self._graphs is not None and decode_only and step.decodes <= self._graphs.max_batch_size
-        return self._run(step, self._kv, replay)
+        return self._run(step, self._cache, replay)
 
     def _run(self, step: StepLayout, kv, replay: bool) -> torch.Tensor:
         width = max(len(t) for t in step.tables)
@@ -168,7 +161,9 @@ class ModelRunner:
             from workers.engine.triton_attention import prefill_rows, prefill_tiles
 
             heads = self._model.config.num_attention_heads
-            prefill_work = prefill_tiles(step.query_starts, prefill_rows(self._model.dtype, heads, self._kv_heads))
+            prefill_work = prefill_tiles(
+                step.query_starts, prefill_rows(self._model.dtype, heads, self._geometry.kv_heads)
+            )
         parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts]
         parts += [prefill_work, tables]
         flat = to_device(torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long), self._device)
@@ -272,7 +267,7 @@ class ModelRunner:
             with torch.inference_mode():
                 graphs = DecodeGraphs(
                     self._forward,
-                    self._kv,
+                    self._cache,
                     self._config.max_batch_size,
                     max_blocks,
                     lambda n: self.decode_splits(n, max_blocks),
