@@ -35,7 +35,8 @@ class StepTiming:
     graphed_over_bound: float | None
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so that a clock reading means it is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -46,12 +47,12 @@ def copy_bandwidth(device: torch.device) -> float:
     source = torch.empty((2**30 if device.type == "cuda" else 2**28) // 4, dtype=torch.float32, device=device)
     target = torch.empty_like(source)
     target.copy_(source)  # warm up
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(5):
         started = time.perf_counter()
         target.copy_(source)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - started)
     return 2 * source.numel() * 4 / min(times)
 

@@ -36,7 +36,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LogitsProcessor, LogitsProcessorList
 
 from schemas.messages import GenerationRequest, SamplingParams
-from tokenrelay.bench.decode_step import time_decode_steps
+from tokenrelay.bench.decode_step import sync, time_decode_steps
 from workers.bundled import BUNDLED_MODEL
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
@@ -129,11 +129,6 @@ def _result(
     )
 
 
-def _sync(loaded: LoadedModel) -> None:
-    if loaded.device.type == "cuda":
-        torch.cuda.synchronize(loaded.device)
-
-
 def _release(device: torch.device) -> None:
     """Give back what a finished run held (an engine's KV cache and graphs), before the next one sizes its own."""
     gc.collect()
@@ -196,7 +191,7 @@ class _StepClock(LogitsProcessor):
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores):
-        _sync(self.loaded)
+        sync(self.loaded.device)
         self.times.append(time.perf_counter())
         if self.times[-1] > self.deadline:
             raise _TimedOut
