@@ -13,6 +13,7 @@ import queue
 import random
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from tests.test_cuda_graphs import replay_eagerly
 from workers.bundled import BUNDLED_MODEL
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.model_loader import load_model, random_model
+from workers.engine.model_loader import KVGeometry, load_model, random_model
 from workers.engine.model_runner import ModelRunner, StepLayout
 from workers.engine.sampler import Draw, DrawBatch, choose
 
@@ -207,6 +208,22 @@ def test_a_step_waits_for_the_gpu_only_to_read_its_tokens(loaded):
             torch.cuda.set_sync_debug_mode("default")
         assert len(tokens.tolist()) == len(step.sample_rows)
     assert runner.graphed
+
+
+def test_no_cuda_graphs_means_eager_decode_steps(loaded):
+    config = EngineConfig(kv_cache_bytes=16 << 20, max_batch_size=2, attention="triton")
+    graphed = ModelRunner(loaded, config.for_device(loaded.device), replay_eagerly)
+    eager = ModelRunner(loaded, replace(config, cuda_graphs=False).for_device(loaded.device), replay_eagerly)
+    assert graphed.graphed and not eager.graphed
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="GPU memory")
+def test_on_a_gpu_the_kv_cache_takes_its_fraction_of_the_free_memory(loaded):
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(TEST_DEVICE)[0]
+    runner = ModelRunner(loaded, EngineConfig(gpu_memory_fraction=0.05, max_batch_size=16).for_device(TEST_DEVICE))
+    kv_bytes = runner.num_blocks * runner.block_size * KVGeometry.of(loaded.model).bytes_per_token
+    assert 0.03 * free < kv_bytes <= 0.05 * free  # less what an eager step and the graphs take
 
 
 def test_events_describe_every_token(loaded, harness):
