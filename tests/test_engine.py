@@ -186,7 +186,7 @@ def test_the_triton_kernels_and_decode_graphs_equal_transformers_generate(loaded
 def test_a_step_waits_for_the_gpu_only_to_read_its_tokens(loaded):
     """Inputs and draws go up, the forward pass (graphed, and eager with a prompt chunk) and the sampler run,
     and nothing waits for the GPU until the tokens are read."""
-    runner = ModelRunner(loaded, EngineConfig(kv_cache_bytes=64 << 20, max_batch_size=8).for_device(loaded.device))
+    runner = ModelRunner(loaded, EngineConfig(kv_cache_bytes=64 << 20, max_batch_size=8).for_device(loaded.device.type))
     decode = StepLayout([5, 6, 7], [39, 69, 4], [39, 32 * 4 + 5, 32 * 5 + 4], [[0, 1], [2, 3, 4], [5]],
                         [40, 70, 5], 3, [], [0, 1, 2])  # fmt: skip
     mixed = StepLayout(decode.ids + list(range(10, 20)), decode.positions + list(range(32, 42)),
@@ -212,8 +212,8 @@ def test_a_step_waits_for_the_gpu_only_to_read_its_tokens(loaded):
 
 def test_no_cuda_graphs_means_eager_decode_steps(loaded):
     config = EngineConfig(kv_cache_bytes=16 << 20, max_batch_size=2, attention="triton")
-    graphed = ModelRunner(loaded, config.for_device(loaded.device), replay_eagerly)
-    eager = ModelRunner(loaded, replace(config, cuda_graphs=False).for_device(loaded.device), replay_eagerly)
+    graphed = ModelRunner(loaded, config.for_device(loaded.device.type), replay_eagerly)
+    eager = ModelRunner(loaded, replace(config, cuda_graphs=False).for_device(loaded.device.type), replay_eagerly)
     assert graphed.graphed and not eager.graphed
 
 
@@ -221,7 +221,7 @@ def test_no_cuda_graphs_means_eager_decode_steps(loaded):
 def test_on_a_gpu_the_kv_cache_takes_its_fraction_of_the_free_memory(loaded):
     torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info(TEST_DEVICE)[0]
-    runner = ModelRunner(loaded, EngineConfig(gpu_memory_fraction=0.05, max_batch_size=16).for_device(TEST_DEVICE))
+    runner = ModelRunner(loaded, EngineConfig(gpu_memory_fraction=0.05, max_batch_size=16).for_device(TEST_DEVICE.type))
     kv_bytes = runner.num_blocks * runner.block_size * KVGeometry.of(loaded.model).bytes_per_token
     assert 0.03 * free < kv_bytes <= 0.05 * free  # less what an eager step and the graphs take
 
@@ -367,10 +367,10 @@ def test_a_request_past_its_deadline_ends_with_a_timeout(harness):
 
 
 def test_batch_step_and_cache_sizes_default_per_device_and_settings_given_stay():
-    cpu, gpu = EngineConfig().for_device(torch.device("cpu")), EngineConfig().for_device(torch.device("cuda"))
+    cpu, gpu = EngineConfig().for_device("cpu"), EngineConfig().for_device("cuda")
     assert (cpu.max_batch_size, cpu.max_tokens_per_step, cpu.kv_cache_bytes) == (64, 1024, 1 << 30)
     assert (gpu.max_batch_size, gpu.max_tokens_per_step, gpu.kv_cache_bytes) == (256, 2048, None)
-    given = EngineConfig(max_batch_size=8, max_tokens_per_step=100, kv_cache_bytes=5).for_device(torch.device("cuda"))
+    given = EngineConfig(max_batch_size=8, max_tokens_per_step=100, kv_cache_bytes=5).for_device("cuda")
     assert (given.max_batch_size, given.max_tokens_per_step, given.kv_cache_bytes) == (8, 100, 5)
 
 

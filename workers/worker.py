@@ -37,8 +37,7 @@ from schemas.messages import (
 )
 from tokenrelay.metrics import RequestTimer, metrics_of, record_backlog
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.model_loader import LoadedModel
+from workers.engine.engine import Engine, Model
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +83,7 @@ class Worker:
     def __init__(
         self,
         bus: Bus,
-        loaded: LoadedModel,
+        loaded: Model,
         config: EngineConfig,
         served_names: list[str],
         settings: WorkerSettings,

@@ -100,7 +100,7 @@ def time_decode_steps(
     """A StepTiming per batch size, printed to `out` as each is measured."""
     device = loaded.device
     bandwidth = copy_bandwidth(device)
-    config = config.for_device(device)
+    config = config.for_device(device.type)
     runner = ModelRunner(loaded, config)
     if out is not None:
         print(f"decode steps (copy bandwidth {bandwidth / 1e9:.1f} GB/s):", file=out, flush=True)

@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         max_iter_times=args.output_lens[1],
         cuda_graphs=not args.no_cuda_graphs,
     )
-    batch_size = engine_config.for_device(engine_model.device).max_batch_size
+    batch_size = engine_config.for_device(engine_model.device.type).max_batch_size
     report: dict = {
         "workload": {
             "requests": args.requests,
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         _print("transformers_one_at_a_time", baselines["transformers_one_at_a_time"], out)
     if "continuous" not in args.skip:
         subset = requests[: args.continuous_batching]
-        kv_budget = engine_config.for_device(engine_model.device).kv_cache_bytes
+        kv_budget = engine_config.for_device(engine_model.device.type).kv_cache_bytes
         result = run_transformers_continuous(baseline_model, subset, args.baseline_timeout, kv_budget)
         baselines["transformers_continuous_batching"] = result
         _print("transformers_continuous_batching", result, out)

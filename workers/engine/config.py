@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
 _CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -23,9 +21,9 @@ class EngineConfig:
     attention: str = "auto"  # the attention kernels: auto (by device), triton, cpu or torch (attention.py)
     aging_s: float = 10.0  # waiting this long makes a request one priority level more urgent
 
-    def for_device(self, device: torch.device) -> EngineConfig:
-        """These settings with every device default filled in."""
-        gpu = device.type == "cuda"
+    def for_device(self, device_type: str) -> EngineConfig:
+        """These settings with every default of the device type ("cpu", "cuda") filled in."""
+        gpu = device_type == "cuda"
         return replace(
             self,
             max_batch_size=self.max_batch_size or (256 if gpu else 64),

@@ -16,23 +16,45 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
-import torch
 
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.cuda_graphs import Capture
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.model_loader import LoadedModel
-from workers.engine.model_runner import ModelRunner
-from workers.engine.sampler import Draw, DrawBatch, sample
 from workers.engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.engine.stop_strings import StopStrings
 
 log = structlog.get_logger(__name__)
+
+
+class Runner(Protocol):
+    """Computes steps: workers/engine/model_runner.py's ModelRunner, or a simulated one."""
+
+    num_blocks: int  # of the KV cache
+
+    def bind_thread(self) -> None:
+        """Called first on the engine thread."""
+
+    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> list[int]:
+        """Compute the chunks; return the next token of each chunk in `drawing`."""
+
+
+class Model(Protocol):
+    """What the engine needs of a model: model_loader.py's LoadedModel, or workers/simulated/'s."""
+
+    tokenizer: Any  # a Hugging Face tokenizer's calls: __call__, apply_chat_template, decode, chat_template
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def device_type(self) -> str: ...
+
+    def runner(self, config: EngineConfig, capture: Any = None) -> Runner: ...
 
 
 @dataclass(frozen=True)
@@ -53,16 +75,18 @@ _GENERATION_ERROR = "Generation Error"
 class Engine:
     def __init__(
         self,
-        loaded: LoadedModel,
+        loaded: Model,
         config: EngineConfig,
         on_step: Callable[[list[TokenEvent]], None],
-        graph_capture: Capture | None = None,
+        graph_capture=None,
     ):
-        """`graph_capture`: how the runner captures decode graphs (cuda_graphs.py); tests replace it on the CPU."""
+        """`loaded`: a LoadedModel (model_loader.py) or a SimulatedModel (workers/simulated/), whose
+        runner computes the steps; `graph_capture`: how a ModelRunner captures decode graphs
+        (cuda_graphs.py); tests replace it on the CPU."""
         self._loaded = loaded
-        self.config = config = config.for_device(loaded.device)  # the device's defaults filled in
+        self.config = config = config.for_device(loaded.device_type)  # the device's defaults filled in
         self._on_step = on_step
-        self._runner = ModelRunner(loaded, config, graph_capture)
+        self._runner = loaded.runner(config, graph_capture)
         capacity = self._runner.num_blocks * config.block_size
         if capacity < config.max_seq_len:
             raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_seq_len {config.max_seq_len}")
@@ -110,8 +134,7 @@ class Engine:
     # -- the engine thread
 
     def _run(self) -> None:
-        if self._loaded.device.type == "cuda":
-            torch.cuda.set_device(self._loaded.device)  # per thread: the kernels launch on the current device
+        self._runner.bind_thread()
         try:
             self._loop()
         except BaseException:
@@ -214,11 +237,7 @@ class Engine:
         started_at = time.monotonic()
         drawing = [c for c in chunks if c.samples]
         try:
-            # The draws' parameters go to the device before the forward pass, so that nothing waits for it
-            # until the tokens are read.
-            draws = DrawBatch.of([_draw(c) for c in drawing], self._runner.head.vocab_size, self._loaded.device)
-            hidden = self._runner.run(chunks)
-            tokens = sample(self._runner.head, hidden, draws)
+            tokens = self._runner.execute(chunks, drawing)
         except Exception as error:  # a broken step must fail its requests, not the worker
             log.exception("step_failed", requests=[c.sequence.request_id for c in chunks])
             failure = ErrorInfo(message=f"generation failed: {error}", error_type="Incomplete Generation", status=500)
@@ -245,14 +264,6 @@ class Engine:
     def _out_of_room(self, sequence: Sequence, generated: int) -> bool:
         """Whether a sequence with `generated` tokens has reached max_new_tokens or max_seq_len."""
         return generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self.config.max_seq_len
-
-
-def _draw(chunk: Chunk) -> Draw:
-    sequence = chunk.sequence
-    params = sequence.request.sampling
-    # The token history is only read for a repetition penalty; do not copy it otherwise.
-    history = sequence.token_ids if params.repetition_penalty != 1.0 else ()
-    return Draw(params, history, sequence.next_index)
 
 
 class _Rejected(Exception):

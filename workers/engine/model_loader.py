@@ -28,6 +28,16 @@ class LoadedModel:
     max_position_embeddings: int
     eos_token_ids: frozenset[int]
 
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def runner(self, config, capture=None):
+        """The ModelRunner that computes this model's steps (see Engine); `config` has the device's defaults."""
+        from workers.engine.model_runner import ModelRunner  # it imports this module
+
+        return ModelRunner(self, config, capture)
+
 
 @dataclass(frozen=True)
 class KVGeometry:

@@ -27,7 +27,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.model_loader import KVGeometry, LoadedModel
 from workers.engine.output_head import OutputHead
-from workers.engine.sampler import Draw, DrawBatch, choose
+from workers.engine.sampler import Draw, DrawBatch, choose, sample
 from workers.engine.scheduler import Chunk
 from workers.engine.transfer import to_device
 
@@ -137,6 +137,18 @@ class ModelRunner:
         from workers.engine.triton_attention import decode_splits
 
         return decode_splits(sequences, self._geometry.kv_heads, max_blocks, self._processors)
+
+    def bind_thread(self) -> None:
+        """Called first on the thread that steps the model."""
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # per thread: the kernels launch on the current device
+
+    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> list[int]:
+        """One engine step: compute the chunks, then draw the next token of each chunk in `drawing`."""
+        # The draws' parameters go to the device before the forward pass, so that nothing waits for it
+        # until the tokens are read.
+        draws = DrawBatch.of([_draw(c) for c in drawing], self.head.vocab_size, self._device)
+        return sample(self.head, self.run(chunks), draws)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -284,3 +296,11 @@ class ModelRunner:
             memory_mib=round(held / 2**20, 1),
         )
         return graphs
+
+
+def _draw(chunk: Chunk) -> Draw:
+    sequence = chunk.sequence
+    params = sequence.request.sampling
+    # The token history is only read for a repetition penalty; do not copy it otherwise.
+    history = sequence.token_ids if params.repetition_penalty != 1.0 else ()
+    return Draw(params, history, sequence.next_index)

@@ -1,0 +1,112 @@
+"""A model that is only a step-time profile, so that one machine can stand in for a fleet of workers.
+
+The engine runs unchanged around it (scheduler, block manager, prefix
+cache, preemption, detokenizer); a step waits as long as the profile says
+that step takes, and each drawn token comes from the request's seed and the
+token's index alone, so a stream is checkable and a failed-over one goes on
+exactly. Nothing here imports torch or loads weights.
+
+Its tokenizer cuts UTF-8 text into 4-byte pieces (so equal prefixes give
+equal tokens, as a real tokenizer's do) and spells every token as three
+letters and a space; generation never draws EOS, so a request gets its
+max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import string
+import time
+import zlib
+from dataclasses import dataclass, replace
+
+from workers.engine.config import EngineConfig
+from workers.engine.scheduler import Chunk
+from workers.simulated.profile import Profile
+
+_SPECIALS = 3  # pad, bos, eos
+_LETTERS = string.ascii_lowercase
+_WORDS = len(_LETTERS) ** 3
+VOCAB_SIZE = _SPECIALS + _WORDS
+EOS = 2
+_BYTES_PER_TOKEN = 4
+_MASK64 = 2**64 - 1
+
+
+def _word(token_id: int) -> str:
+    if token_id < _SPECIALS:
+        return ""
+    n = token_id - _SPECIALS
+    return _LETTERS[n // 676] + _LETTERS[n // 26 % 26] + _LETTERS[n % 26] + " "
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: neighbouring inputs give unrelated outputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def simulated_token(seed: int, index: int) -> int:
+    """The token a simulated worker draws at `index` of a request with `seed`."""
+    return _SPECIALS + _mix((seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64) % _WORDS
+
+
+class SimulatedTokenizer:
+    chat_template = "role: content, one line each"
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        data = text.encode()
+        pieces = (data[i : i + _BYTES_PER_TOKEN] for i in range(0, len(data), _BYTES_PER_TOKEN))
+        return {"input_ids": [_SPECIALS + zlib.crc32(p) % _WORDS for p in pieces]}
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
+        text = "".join(f"<{m['role']}> {m['content']}\n" for m in messages)
+        return self(text + ("<assistant> " if add_generation_prompt else ""))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(_word(t) for t in token_ids)
+
+
+class SimulatedRunner:
+    """The engine's runner: a step sleeps for the profile's time and draws `simulated_token`s."""
+
+    def __init__(self, profile: Profile, config: EngineConfig) -> None:
+        self._cost = profile.step
+        self.block_size = config.block_size
+        self.num_blocks = profile.kv_cache_tokens // config.block_size
+        self.busy_s = 0.0  # time spent in steps, since start
+
+    def bind_thread(self) -> None:
+        """Nothing is bound to a thread here."""
+
+    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> list[int]:
+        prompt = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        context = sum(c.sequence.num_cached_tokens + c.num_tokens for c in chunks)
+        seconds = self._cost.seconds(prompt, decodes, context)
+        time.sleep(seconds)
+        self.busy_s += seconds
+        return [simulated_token(c.sequence.request.sampling.seed, c.sequence.next_index) for c in drawing]
+
+
+@dataclass(frozen=True)
+class SimulatedModel:
+    """What the engine needs of a model (see engine.Model), from a profile."""
+
+    profile: Profile
+    tokenizer: SimulatedTokenizer = SimulatedTokenizer()
+    vocab_size: int = VOCAB_SIZE
+    max_position_embeddings: int = 1024 * 1024
+    eos_token_ids: frozenset[int] = frozenset([EOS])
+    device_type: str = "sim"
+
+    def runner(self, config: EngineConfig, capture=None) -> SimulatedRunner:
+        return SimulatedRunner(self.profile, config)
+
+    def engine_config(self, config: EngineConfig) -> EngineConfig:
+        """`config` with the profile's batch size and step budget where it leaves them open."""
+        return replace(
+            config,
+            max_batch_size=config.max_batch_size or self.profile.max_batch_size,
+            max_tokens_per_step=config.max_tokens_per_step or self.profile.max_tokens_per_step,
+        )
