@@ -78,6 +78,14 @@ class RequestQueue(ABC):
         """
 
     @abstractmethod
+    def offer_waiting(self, accept: Accept) -> list[Delivery]:
+        """Offer again what was taken from the topics and refused, without fetching more (a slot just freed)."""
+
+    @abstractmethod
+    def waiting(self) -> int:
+        """Requests taken from the topics and refused so far: they wait for this member."""
+
+    @abstractmethod
     def finished(self, delivery: Delivery) -> None:
         """The request is done (answered, failed, or dropped): never deliver it again."""
 

@@ -68,6 +68,12 @@ class _InProcessRequestQueue(RequestQueue):
             return []
         return offer(self._waiting, accept, self._aging_s)
 
+    def offer_waiting(self, accept: Accept) -> list[Delivery]:
+        return offer(self._waiting, accept, self._aging_s)
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
     def finished(self, delivery: Delivery) -> None:
         self.unfinished[delivery.source] -= 1
 

@@ -187,6 +187,12 @@ class _KafkaRequestQueue(RequestQueue, ConsumerRebalanceListener):
                 elif message is not None:
                     log.warning("not_a_request", topic=partition.topic, kind=message.kind)
 
+    def offer_waiting(self, accept: Accept) -> list[Delivery]:
+        return offer(self._waiting, accept, self._aging_s)
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
     def finished(self, delivery: Delivery) -> None:
         partition, offset = delivery.source
         tracker = self._offsets.get(partition)
@@ -250,6 +256,7 @@ class KafkaBus(Bus):
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._offsets: AIOKafkaConsumer | None = None
+        self._offsets_starting = asyncio.Lock()  # the workers of one process share the bus
 
     async def start(self) -> None:
         self._admin = AIOKafkaAdminClient(
@@ -390,9 +397,11 @@ class KafkaBus(Bus):
 
     async def _offsets_reader(self) -> AIOKafkaConsumer:
         """A consumer of no group, only to ask the broker for partitions' first and last offsets."""
-        if self._offsets is None:
-            self._offsets = self._consumer()
-            await self._offsets.start()
+        async with self._offsets_starting:
+            if self._offsets is None:
+                offsets = self._consumer()
+                await offsets.start()
+                self._offsets = offsets
         return self._offsets
 
     async def open_request_queue(self, topics: Sequence[str], group: str, aging_s: float = 10.0) -> RequestQueue:

@@ -1,5 +1,7 @@
-"""Topic names: one request topic per served model and priority, one reply
-topic per gateway, one control topic for everyone."""
+"""Topic names: one request topic per served model and priority (the queue
+shared by its workers), one inbox per worker (the requests routed to it),
+one reply topic per gateway, one control topic for everyone, and one routing
+topic where workers tell gateways their load and cache."""
 
 from __future__ import annotations
 
@@ -34,3 +36,11 @@ def reply_topic(prefix: str, gateway_id: str) -> str:
 
 def control_topic(prefix: str) -> str:
     return f"{prefix}.control"
+
+
+def inbox_topic(prefix: str, worker_id: str) -> str:
+    return f"{prefix}.inbox.{_slug(worker_id)}"
+
+
+def routing_topic(prefix: str) -> str:
+    return f"{prefix}.routing"

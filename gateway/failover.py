@@ -5,8 +5,9 @@ workers' heartbeats). A request fails over when its worker said goodbye or
 went silent while the control topic worked, when a live worker stops listing
 it, or when its events skip tokens. Failing over re-publishes it as a
 recomputation: a new attempt number, the prompt and the tokens already
-delivered; a cancel fences the old attempt on every worker first, so the
-copy Kafka delivers again once the dead worker's partitions move is skipped.
+delivered, routed to another worker; a cancel fences the old attempt on
+every worker first, so the copy Kafka delivers again once the dead worker's
+partitions move is skipped.
 Events that nobody waits for (an old attempt, a request already answered)
 are answered with a cancel, so that no worker keeps generating them.
 """
@@ -21,7 +22,7 @@ from prometheus_client import Counter
 
 from bus.base import Bus, BusUnavailable, UnknownTopic
 from bus.peers import PeerClock
-from bus.topics import request_topic
+from gateway.dispatch import Dispatcher
 from gateway.inflight import InFlight, InFlightRegistry
 from schemas.messages import CancelRequest, TokenEvent, TokenEvents, WorkerHeartbeat
 
@@ -44,14 +45,14 @@ class Failover:
         bus: Bus,
         registry: InFlightRegistry,
         control_topic: str,
-        topic_prefix: str,
+        dispatcher: Dispatcher,
         heartbeat_interval_s: float,
         stuck_after_s: float,
     ):
         self._bus = bus
         self._registry = registry
         self._control_topic = control_topic
-        self._topic_prefix = topic_prefix
+        self._dispatcher = dispatcher
         # The workers, as the gateway's control listener hears them (and the gateway's own heartbeats).
         self.workers = PeerClock(heartbeat_interval_s, WORKER_SILENCE_S, stuck_after_s, _REMEMBER_S)
         self._cancelled: dict[tuple[str, int], float] = {}  # (request id, attempt) -> when told to stop
@@ -120,10 +121,9 @@ class Failover:
                 deadline=request.deadline,
                 attempts_before=request.attempt,
             )
-            topic = request_topic(self._topic_prefix, request.model, request.priority)
             try:
                 await self._bus.publish(self._control_topic, fence)
-                await self._bus.publish(topic, request)
+                await self._dispatcher.dispatch(inflight)
             except (BusUnavailable, UnknownTopic) as error:
                 log.warning("failover_not_published", request_id=request.request_id, error=str(error))
                 self._unpublished.add(inflight)

@@ -36,6 +36,7 @@ class InFlight:
         self.timer = RequestTimer(metrics_of("gateway"), request)
         self.received: list[int] = []  # tokens delivered, every attempt's: a failover goes on after them
         self.worker_id: str | None = None  # the worker running the current attempt, once known
+        self.broke_off_on: str | None = None  # the worker of the previous attempt: a failover avoids it
         self.unlisted = 0  # heartbeats in a row of that worker that did not list it
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -50,11 +51,18 @@ class InFlight:
         """The request-wide index of the next token the client expects."""
         return self.request.tokens_before + len(self.received)
 
+    def routed_to(self, worker_id: str | None) -> None:
+        """The current attempt was published to this worker's inbox (None: to the shared queue)."""
+        if worker_id is not None:
+            self.worker_id = worker_id
+            self.unlisted = 0
+
     def attempt_again(self) -> GenerationRequest:
         """Make the current attempt stale and return the next one, which goes on from the delivered tokens."""
         self.request = self.request.model_copy(
             update={"attempt": self.request.attempt + 1, "generated_token_ids": list(self.received)}
         )
+        self.broke_off_on = self.worker_id or self.broke_off_on
         self.worker_id = None
         self.unlisted = 0
         return self.request
@@ -72,6 +80,17 @@ class InFlight:
                 self.finished = True
             self.timer.event(event, time.time())
             yield event
+
+    def stop_unstarted(self) -> None:
+        """End a request that no worker has (it waited in the gateway) as stopped, like a cancel does."""
+        self._events.put_nowait(
+            TokenEvent(
+                request_id=self.request.request_id,
+                attempt=self.request.attempt,
+                index=self.next_index,
+                finish_reason=FinishReason.STOP_SEQUENCE,
+            )
+        )
 
     def fail(self, message: str) -> None:
         """End the request with an error event of the gateway's own (no worker will answer it)."""

@@ -1,8 +1,11 @@
 """The gateway's side of the bus: publish requests, route replies, know the workers.
 
 One instance per gateway process. It owns the gateway's reply topic (created
-at start, deleted at a clean stop) and listens to the control topic for the
-workers' heartbeats. The HTTP routes call `resolve`, `submit` and `cancel`.
+at start, deleted at a clean stop), listens to the control topic for the
+workers' heartbeats and to the routing topic for their load reports, which
+its router (router.py) reads to pick each request's worker. The HTTP routes
+call `resolve`, `submit` and `stop_requests`. A stopInfer for a request that
+another gateway took is asked of every gateway on the control topic.
 Its heartbeats go to the control topic (workers drop the requests of a gateway
 that stops sending them) and to its own reply topic: a listener that does not
 hear its own gateway's heartbeats for a while is stuck, and is rebuilt.
@@ -20,11 +23,13 @@ import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.peers import PeerClock
-from bus.topics import control_topic, reply_topic, request_topic
+from bus.topics import control_topic, reply_topic, routing_topic
 from gateway.directory import WorkerDirectory
+from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError, not_found, unavailable
 from gateway.failover import Failover
 from gateway.inflight import InFlight, InFlightRegistry
+from gateway.router import Router
 from schemas.messages import (
     CancelRequest,
     ChatMessage,
@@ -32,8 +37,11 @@ from schemas.messages import (
     GenerationRequest,
     SamplingParams,
     ServedModel,
+    StopAnswer,
+    StopClientRequest,
     TokenEvents,
     WorkerHeartbeat,
+    WorkerLoad,
 )
 from tokenrelay.metrics import metrics_of, record_backlog
 
@@ -50,6 +58,8 @@ LISTENER_STUCK_S = 10.0  # this many seconds of own heartbeats taken by the brok
 # Replay this much of the control topic at start, so that a new gateway knows
 # the running workers at once instead of after their next heartbeat.
 CONTROL_REPLAY_S = 10.0
+# How long a stopInfer waits for another gateway to say it stopped the request, before answering 404.
+STOP_ANSWER_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class GatewaySettings:
     default_model: str = ""  # what /infer_token and /infer serve; empty: the only model served
     full_text: bool = False  # MindIE's fullTextEnabled: stream events carry the text so far
     max_in_flight: int = 4096  # requests waiting for their last event; beyond: 429
+    route: bool = True  # pick each request's worker (router.py); False: the shared queue decides
 
 
 async def _rebuild(listener: Listener, echo: PeerClock) -> None:
@@ -80,11 +91,15 @@ class GatewayService:
         self.gateway_id = settings.gateway_id or uuid.uuid4().hex[:12]
         self._reply_topic = reply_topic(settings.topic_prefix, self.gateway_id)
         self._control_topic = control_topic(settings.topic_prefix)
+        self._routing_topic = routing_topic(settings.topic_prefix)
         self.directory = WorkerDirectory()
         self.inflight = InFlightRegistry()
+        self.router = Router()
+        self._dispatcher = Dispatcher(bus, self.router if settings.route else None, settings.topic_prefix)
         self._failover = Failover(
-            bus, self.inflight, self._control_topic, settings.topic_prefix, HEARTBEAT_INTERVAL_S, LISTENER_STUCK_S
+            bus, self.inflight, self._control_topic, self._dispatcher, HEARTBEAT_INTERVAL_S, LISTENER_STUCK_S
         )
+        self._stop_answers: dict[str, asyncio.Future[int]] = {}  # question id -> requests stopped elsewhere
         # Only the stuck-consumer check of the reply listener: no peers there, so no silence or forgetting.
         self._reply_echo = PeerClock(HEARTBEAT_INTERVAL_S, 0.0, LISTENER_STUCK_S, 0.0)
         self._metrics = metrics_of("gateway")
@@ -93,13 +108,16 @@ class GatewayService:
         self._cancelling: set[asyncio.Task] = set()  # cancellations being published
 
     async def start(self) -> None:
-        await self._bus.create_topics({self._reply_topic: 1, self._control_topic: 1})
+        await self._bus.create_topics({self._reply_topic: 1, self._control_topic: 1, self._routing_topic: 1})
         replies = await self._bus.listen(self._reply_topic)
         control = await self._bus.listen(self._control_topic, replay_s=CONTROL_REPLAY_S)
-        self._listeners = [replies, control]
+        routing = await self._bus.listen(self._routing_topic, replay_s=CONTROL_REPLAY_S)
+        self._listeners = [replies, control, routing]
         self._tasks = [
             asyncio.create_task(self._route_replies(replies), name="route-replies"),
             asyncio.create_task(self._watch_control(control), name="watch-control"),
+            asyncio.create_task(self._watch_routing(routing), name="watch-routing"),
+            asyncio.create_task(self._dispatcher.run(), name="dispatch-held"),
             asyncio.create_task(self._measure_backlogs(), name="measure-backlogs"),
             asyncio.create_task(self._send_heartbeats(), name="heartbeats"),
         ]
@@ -124,6 +142,10 @@ class GatewayService:
                 self._failover.on_events(message)
             elif isinstance(message, GatewayHeartbeat) and message.gateway_id == self.gateway_id:
                 self._reply_echo.own_heard(time.monotonic())
+            elif isinstance(message, StopAnswer):
+                answer = self._stop_answers.get(message.question_id)
+                if answer is not None and not answer.done():
+                    answer.set_result(message.stopped)
 
     async def _watch_control(self, control: Listener) -> None:
         workers = self._failover.workers
@@ -133,11 +155,20 @@ class GatewayService:
                 self.directory.observe(message)
                 if message.leaving:
                     workers.left(message.worker_id, now)
+                    self.router.forget(message.worker_id)
                 else:
                     workers.heard(message.worker_id, now)
                     self._failover.on_heartbeat(message)
             elif isinstance(message, GatewayHeartbeat) and message.gateway_id == self.gateway_id:
                 workers.own_heard(now)
+            elif isinstance(message, StopClientRequest) and message.reply_to != self._reply_topic:
+                await self._stop_for_another(message)
+
+    async def _watch_routing(self, routing: Listener) -> None:
+        async for message in routing:
+            if isinstance(message, WorkerLoad):
+                self.router.observe(message)
+                self._dispatcher.room_may_have_changed()
 
     def _heartbeat(self, leaving: bool = False) -> GatewayHeartbeat:
         return GatewayHeartbeat(
@@ -146,7 +177,7 @@ class GatewayService:
 
     async def _send_heartbeats(self) -> None:
         """Tell workers this gateway still waits for its requests' tokens; check the listeners and the workers."""
-        replies, control = self._listeners
+        replies, control, _ = self._listeners
         watched = [
             (self._reply_topic, replies, self._reply_echo),
             (self._control_topic, control, self._failover.workers),
@@ -245,24 +276,60 @@ class GatewayService:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         inflight = self.inflight.open(request, client_id or request.request_id)
-        topic = request_topic(self._settings.topic_prefix, model.name, request.priority)
         try:
-            await self._bus.publish(topic, request)
+            await self._dispatcher.dispatch(inflight)
         except (BusUnavailable, UnknownTopic) as error:
             self.inflight.close(request.request_id)
             inflight.timer.end(SERVICE_UNAVAILABLE, time.time(), failed=True)
-            log.warning("publish_failed", topic=topic, error=str(error))
+            log.warning("publish_failed", error=str(error))
             raise unavailable(f"the message bus cannot take the request now: {error}") from error
-        log.info("request_published", topic=topic, model=model.name, priority=request.priority)
         return inflight
 
     async def stop_requests(self, model_name: str, client_id: str) -> bool:
-        """stopInfer: cancel the running requests of that client id; False if there are none."""
+        """stopInfer: cancel the running requests of that client id, here or on another gateway.
+
+        False if no gateway has one (none answered within STOP_ANSWER_TIMEOUT_S).
+        """
         model = self.resolve(model_name)
         stopped = self.inflight.find(model.name, client_id)
-        for inflight in stopped:
-            await self._cancel(inflight, "stopInfer")
-        return bool(stopped)
+        await self._stop(stopped)
+        if stopped:
+            return True
+        question = StopClientRequest(
+            model=model.name, client_id=client_id, question_id=uuid.uuid4().hex, reply_to=self._reply_topic
+        )
+        answer = self._stop_answers[question.question_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._bus.publish(self._control_topic, question)
+            return await asyncio.wait_for(answer, STOP_ANSWER_TIMEOUT_S) > 0
+        except TimeoutError:
+            return False
+        except (BusUnavailable, UnknownTopic) as error:
+            raise unavailable(f"the message bus cannot take the stop request now: {error}") from error
+        finally:
+            del self._stop_answers[question.question_id]
+
+    async def _stop_for_another(self, question: StopClientRequest) -> None:
+        """Another gateway was asked to stop a request of a client id: stop ours, and tell it so."""
+        stopped = self.inflight.find(question.model, question.client_id)
+        if not stopped:
+            return
+        try:
+            await self._stop(stopped)
+        except ApiError as error:  # the bus refuses now: the asking gateway answers 404 after its wait
+            log.warning("cancel_not_published", client_id=question.client_id, error=error.body.error)
+            return
+        answer = StopAnswer(question_id=question.question_id, stopped=len(stopped))
+        await self._bus.publish_or_log(question.reply_to, answer, "stop_answer_not_published")
+
+    async def _stop(self, requests: list[InFlight]) -> None:
+        """stopInfer: a request waiting in the gateway ends here; one a worker has is cancelled there."""
+        for inflight in requests:
+            if self._dispatcher.release(inflight):
+                inflight.stop_unstarted()
+                self._metrics.cancellations.labels(inflight.request.model, "stopInfer").inc()
+            else:
+                await self._cancel(inflight, "stopInfer")
 
     async def _cancel(self, inflight: InFlight, reason: str) -> None:
         try:
@@ -285,9 +352,10 @@ class GatewayService:
         awaited publish short.
         """
         self.inflight.close(inflight.request.request_id)
-        self._failover.forget(inflight, told_to_stop=not inflight.worker_ended)
+        held = self._dispatcher.release(inflight)  # then no worker has it
+        self._failover.forget(inflight, told_to_stop=not (inflight.worker_ended or held))
         inflight.timer.end(CLIENT_GONE, time.time())  # unless its last event ended it already
-        if inflight.worker_ended:
+        if inflight.worker_ended or held:
             return
         reason = "deadline passed" if inflight.finished else CLIENT_GONE
         task = asyncio.create_task(self._cancel_quietly(inflight, reason))

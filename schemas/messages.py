@@ -183,6 +183,52 @@ class WorkerHeartbeat(_Message):
     leaving: bool = False  # the worker is shutting down: forget it now
 
 
+class WorkerLoad(_Message):
+    """What a router needs of a worker, on the routing topic: where it reads, how busy it is, what it has cached.
+
+    Sent with every heartbeat and, at most every few tens of milliseconds, when
+    its load changes. Prefix hashes (bus/prefixes.py) come as changes since the
+    worker's previous message, and whole (`snapshot`) every few seconds.
+    """
+
+    kind: Literal["worker_load"] = "worker_load"
+    worker_id: str
+    model: str  # canonical name
+    inbox: str  # the topic where it reads the requests routed to it
+    capacity: int  # sequences it runs at once
+    running: int
+    waiting: int  # read from its inbox or the shared queue, not started yet
+    running_by_priority: list[int] = Field(min_length=5, max_length=5)  # running requests of priority 1..5
+    kv_blocks: int
+    free_kv_blocks: int  # free or only holding cached prefixes
+    block_size: int  # tokens per block
+    seconds_per_prompt_token: float = 0.0  # what a prompt token costs it to compute, lately; 0: not known yet
+    prompt_tokens: int = 0  # of the requests it started, since it started
+    cached_prompt_tokens: int = 0  # of those, found in its prefix cache
+    prefixes_added: list[int] = []
+    prefixes_removed: list[int] = []
+    snapshot: bool = False  # prefixes_added is every prefix it holds
+    interval_s: float  # the longest wait for its next report
+
+
+class StopClientRequest(_Message):
+    """stopInfer on one gateway for a request another gateway took: the gateway that has it stops it."""
+
+    kind: Literal["stop_client_request"] = "stop_client_request"
+    model: str
+    client_id: str
+    question_id: str
+    reply_to: str  # where the gateway that stops it says so
+
+
+class StopAnswer(_Message):
+    """A gateway stopped requests for a StopClientRequest."""
+
+    kind: Literal["stop_answer"] = "stop_answer"
+    question_id: str
+    stopped: int
+
+
 class GatewayHeartbeat(_Message):
     """A gateway's periodic announcement on the control topic: workers drop the requests of a silent one."""
 
@@ -194,7 +240,14 @@ class GatewayHeartbeat(_Message):
 
 
 BusMessage = Annotated[
-    GenerationRequest | TokenEvents | CancelRequest | WorkerHeartbeat | GatewayHeartbeat,
+    GenerationRequest
+    | TokenEvents
+    | CancelRequest
+    | WorkerHeartbeat
+    | GatewayHeartbeat
+    | WorkerLoad
+    | StopClientRequest
+    | StopAnswer,
     Field(discriminator="kind"),
 ]
 _bus_message = TypeAdapter(BusMessage)

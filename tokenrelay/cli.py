@@ -3,8 +3,9 @@
     tokenrelay serve     gateway + worker + in-process bus, one process, no broker
     tokenrelay gateway   an HTTP/WebSocket gateway on Kafka
     tokenrelay worker    a model worker on Kafka
+    tokenrelay simulate  many simulated workers in one process, on Kafka
     tokenrelay up        gateways and workers on one Kafka, on this machine
-    tokenrelay bench     benchmarks (engine, serve, chaos)
+    tokenrelay bench     benchmarks (engine, serve, chaos, scale, profile)
 
 Every flag can also come from the environment: `--served-model-name` is
 `TOKENRELAY_SERVED_MODEL_NAME` (lists separated by commas). A flag given on
@@ -39,6 +40,7 @@ from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
 from tokenrelay import logs, topology
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, DTYPE_NAMES
+from workers.simulated.profile import names as simulation_profiles
 
 if TYPE_CHECKING:
     from workers.worker import Worker
@@ -103,6 +105,14 @@ def _gateway_options(parser: argparse.ArgumentParser) -> None:
         "--media-dir",
         default="/data/multimodal_inputs",
         help="the only directory multimodal input may read local files from",
+    )
+    _option(
+        parser,
+        "--no-router",
+        action="store_true",
+        default=False,
+        help="publish every request to the request topics that workers share, instead of routing it to the "
+        "worker with room and its prompt cached (the placement before routing; for comparisons)",
     )
     _option(parser, "--api-keys", nargs="+", default=[], help="API keys clients must send (Bearer); none: open")
     _option(parser, "--api-keys-file", default="", help="a file of API keys, one per line (with --api-keys, all count)")
@@ -200,6 +210,13 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
         help="partitions of each request topic created here: at most this many workers share a priority",
     )
     _option(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats")
+    _option(
+        parser,
+        "--simulate",
+        default="",
+        help="simulate the model with a step-time profile (a file, or one of "
+        f"{', '.join(simulation_profiles())}): no weights, no torch; empty: run --model",
+    )
 
 
 def _kafka_options(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="gateway and worker in one process, in-process bus")
     gateway = commands.add_parser("gateway", help="an HTTP/WebSocket gateway on Kafka")
     worker = commands.add_parser("worker", help="a model worker on Kafka")
+    simulate = commands.add_parser(
+        "simulate",
+        help="many simulated workers in one process, on Kafka",
+        description="Run --workers workers in one process, each the real worker and engine around a "
+        "simulated model (--simulate, default bundled-cpu): steps take the profile's time and tokens "
+        "come from each request's seed. A fleet on one machine, for `tokenrelay bench scale`.",
+    )
+    _option(simulate, "--workers", type=int, default=8, help="simulated workers")
     up = commands.add_parser(
         "up",
         help="gateways and workers on one Kafka, on this machine, to try out",
@@ -257,24 +282,25 @@ def build_parser() -> argparse.ArgumentParser:
     _option(up, "--gateway-args", default="", help="more flags for every gateway, as one string")
     _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
     bench = commands.add_parser(
-        "bench", help="benchmarks: `tokenrelay bench {engine,serve,chaos} --help`", add_help=False
+        "bench", help="benchmarks: `tokenrelay bench {engine,serve,chaos,scale,profile} --help`", add_help=False
     )
-    bench.add_argument("benchmark", choices=["engine", "serve", "chaos"])
+    bench.add_argument("benchmark", choices=["engine", "serve", "chaos", "scale", "profile"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
-    for sub in (serve, gateway, worker):
+    for sub in (serve, gateway, worker, simulate):
         _common_options(sub)
     for sub in (serve, gateway):
         _gateway_options(sub)
-    for sub in (serve, worker):
+    for sub in (serve, worker, simulate):
         _worker_options(sub)
-    for sub in (gateway, worker):
+    for sub in (gateway, worker, simulate):
         _kafka_options(sub)
-    _option(
-        worker,
-        "--metrics-address",
-        default="",
-        help="HOST:PORT where the worker serves GET /metrics (Prometheus); empty: nowhere",
-    )
+    for sub in (worker, simulate):
+        _option(
+            sub,
+            "--metrics-address",
+            default="",
+            help="HOST:PORT where the worker serves GET /metrics (Prometheus); empty: nowhere",
+        )
     return parser
 
 
@@ -290,12 +316,10 @@ def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
     return KafkaBus(settings, client_id=client_id)
 
 
-def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
+def _worker(args: argparse.Namespace, bus: Bus, worker_id: str) -> Worker:
     from workers.engine.config import EngineConfig
-    from workers.engine.model_loader import load_model
     from workers.worker import Worker, WorkerSettings
 
-    names = args.served_model_name or [BUNDLED_MODEL_NAME if args.model == str(BUNDLED_MODEL) else args.model]
     config = EngineConfig(
         max_batch_size=args.max_batch_size or None,
         max_seq_len=args.max_seq_len,
@@ -309,12 +333,26 @@ def _worker(args: argparse.Namespace, bus: Bus) -> Worker:
         aging_s=args.priority_aging,
     )
     settings = WorkerSettings(
-        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        worker_id=worker_id,
         topic_prefix=args.topic_prefix,
         partitions=args.partitions,
         heartbeat_interval_s=args.heartbeat_interval,
     )
+    if args.simulate:
+        from workers.simulated.model import SimulatedModel
+        from workers.simulated.profile import Profile
+
+        model = SimulatedModel(Profile.load(args.simulate))
+        names = args.served_model_name or [model.profile.name]
+        return Worker(bus, model, model.engine_config(config), names, settings)
+    from workers.engine.model_loader import load_model
+
+    names = args.served_model_name or [BUNDLED_MODEL_NAME if args.model == str(BUNDLED_MODEL) else args.model]
     return Worker(bus, load_model(args.model, args.device, args.dtype or None), config, names, settings)
+
+
+def _worker_id(args: argparse.Namespace) -> str:
+    return args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
@@ -324,6 +362,7 @@ def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
         default_model=args.default_model,
         full_text=args.full_text_enabled,
         max_in_flight=args.max_in_flight,
+        route=not args.no_router,
     )
     media = MediaLoader(
         MediaPolicy(
@@ -372,7 +411,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _run(bus: Bus, server: uvicorn.Server | None, worker: Worker | None) -> bool:
+async def _run(bus: Bus, server: uvicorn.Server | None, workers: list[Worker]) -> bool:
     """Run the parts until a signal, or until one of them ends; then stop them all.
 
     Returns False when a part failed.
@@ -385,9 +424,8 @@ async def _run(bus: Bus, server: uvicorn.Server | None, worker: Worker | None) -
     await bus.start()
     tasks = [asyncio.create_task(stopping.wait(), name="signal")]
     try:
-        if worker is not None:
-            await worker.start()
-            tasks.append(asyncio.create_task(worker.run(), name="worker"))
+        await asyncio.gather(*(worker.start() for worker in workers))
+        tasks += [asyncio.create_task(worker.run(), name="worker") for worker in workers]
         if server is not None:
             tasks.append(asyncio.create_task(server.serve(), name="http"))
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -402,8 +440,7 @@ async def _run(bus: Bus, server: uvicorn.Server | None, worker: Worker | None) -
             if task.get_name() != "http":
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if worker is not None:
-            await worker.stop()
+        await asyncio.gather(*(worker.stop() for worker in workers))
         await bus.close()
         log.info("stopped")
     return not failed
@@ -421,13 +458,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(topology.up(args))
     if args.command == "serve":
         bus: Bus = InProcessBus()
-        parts = (_http_server(args, bus), _worker(args, bus))
+        parts = (_http_server(args, bus), [_worker(args, bus, _worker_id(args))])
     elif args.command == "gateway":
         bus = _kafka_bus(args, client_id=f"gateway-{args.gateway_id or uuid.uuid4().hex[:8]}")
-        parts = (_http_server(args, bus), None)
+        parts = (_http_server(args, bus), [])
     else:
         bus = _kafka_bus(args, client_id=f"worker-{args.worker_id or os.getpid()}")
-        parts = (None, _worker(args, bus))
+        if args.command == "worker":
+            workers = [_worker(args, bus, _worker_id(args))]
+        else:  # simulate: one bus (producer, admin client) for every worker of the process
+            args.simulate = args.simulate or "bundled-cpu"
+            workers = [_worker(args, bus, f"{_worker_id(args)}-{i}") for i in range(args.workers)]
+        parts = (None, workers)
         if args.metrics_address:
             host, _, port = args.metrics_address.rpartition(":")
             prometheus_client.start_http_server(int(port), addr=host or "0.0.0.0")

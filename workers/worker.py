@@ -1,6 +1,10 @@
 """A worker: takes requests of its model from the bus, runs them, streams the tokens back.
 
-It takes only what its engine can start now, most urgent first: a free slot,
+Requests reach it two ways: routed to its own inbox by a gateway's router
+(gateway/router.py), which reads its load reports (load_report.py), or from
+the request topics that all workers of the model share, where a gateway
+puts what no worker has room for. It takes only what its engine can start
+now, most urgent first: a free slot,
 or the slot of a running request of a lower priority, which the engine then
 preempts. Expired, cancelled and superseded requests (an older attempt of a
 request that failed over) are dropped when they are taken; each request is
@@ -22,14 +26,15 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import Counter
 
-from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue
+from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, offer
 from bus.peers import PeerClock
-from bus.topics import control_topic, request_topics, worker_group
+from bus.topics import control_topic, inbox_topic, request_topics, routing_topic, worker_group
 from schemas.messages import (
     CancelRequest,
     ErrorInfo,
     FinishReason,
     GatewayHeartbeat,
+    GenerationRequest,
     ServedModel,
     TokenEvent,
     TokenEvents,
@@ -38,6 +43,7 @@ from schemas.messages import (
 from tokenrelay.metrics import RequestTimer, metrics_of, record_backlog
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, Model
+from workers.load_report import LoadReporter
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +58,7 @@ _GATEWAY_SILENCE_S = 3.0
 _FORGET_GONE_GATEWAY_S = 3600.0  # the longest timeout a request may have
 # Own heartbeats published this long without one coming back: rebuild the control consumer.
 _CONTROL_STUCK_S = 10.0
+_INBOX = "inbox"  # the source of a Delivery read from the worker's inbox: nothing to acknowledge
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,7 @@ class Worker:
     ) -> None:
         self._bus = bus
         self._settings = settings
-        self._engine = Engine(loaded, config, self._on_engine_step)
+        self._engine = Engine(loaded, config, self._on_engine_step, on_cache=self._on_cache_change)
         self._config = config = self._engine.config  # with the device's defaults
         self.model = ServedModel(
             name=served_names[0],
@@ -104,6 +111,16 @@ class Worker:
         self._topics = request_topics(settings.topic_prefix, self.model.name)
         self._group = worker_group(settings.topic_prefix, self.model.name)
         self._control_topic = control_topic(settings.topic_prefix)
+        self._inbox_topic = inbox_topic(settings.topic_prefix, settings.worker_id)
+        self._routing_topic = routing_topic(settings.topic_prefix)
+        self._inbox_waiting: list[Delivery] = []  # read from the inbox, not started yet
+        self._load = LoadReporter(
+            bus,
+            self._routing_topic,
+            {"worker_id": settings.worker_id, "model": self.model.name, "inbox": self._inbox_topic},
+            settings.heartbeat_interval_s,
+            self._current_load,
+        )
         self._active: dict[str, _Taken] = {}  # request id -> the request running here
         # Request id -> its latest cancel, kept until the request's deadline: a
         # request (or attempt) cancelled before it is taken is skipped then.
@@ -117,22 +134,27 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: RequestQueue | None = None
         self._control: Listener | None = None
+        self._inbox: Listener | None = None
 
     async def start(self) -> None:
-        """Create the topics, join the request group, start the engine."""
+        """Create the topics, open the inbox, join the request group, start the engine."""
         self._loop = asyncio.get_running_loop()
         partitions = {topic: self._settings.partitions for topic in self._topics}
-        await self._bus.create_topics({**partitions, self._control_topic: 1})
+        singles = dict.fromkeys((self._control_topic, self._inbox_topic, self._routing_topic), 1)
+        await self._bus.create_topics({**partitions, **singles})
         self._control = await self._bus.listen(self._control_topic)
+        self._inbox = await self._bus.listen(self._inbox_topic)  # before any report names it
         self._queue = await self._bus.open_request_queue(self._topics, self._group, self._config.aging_s)
         self._engine.start()
         log.info("worker_started", worker_id=self._settings.worker_id, model=self.model.name, group=self._group)
 
     async def run(self) -> None:
         """Serve until cancelled, or until a part of the worker fails."""
-        assert self._queue is not None and self._control is not None
+        assert self._queue is not None and self._control is not None and self._inbox is not None
         tasks = [
             asyncio.create_task(self._take_requests(self._queue), name="take-requests"),
+            asyncio.create_task(self._read_inbox(self._inbox), name="read-inbox"),
+            asyncio.create_task(self._load.run(), name="load-reports"),
             asyncio.create_task(self._publish_events(self._queue), name="publish-events"),
             asyncio.create_task(self._follow_control(self._control), name="follow-control"),
             asyncio.create_task(self._send_heartbeats(), name="heartbeats"),
@@ -154,6 +176,12 @@ class Worker:
             await self._queue.close()
         if self._control is not None:
             await self._control.close()
+        if self._inbox is not None:
+            await self._inbox.close()
+        try:  # what it still held is failed over by the gateways, which heard it leave
+            await self._bus.delete_topics([self._inbox_topic])
+        except Exception as error:  # the broker may be gone already; the topic is then left behind
+            log.warning("inbox_not_deleted", topic=self._inbox_topic, error=str(error))
 
     # -- engine thread -> event loop
 
@@ -161,25 +189,53 @@ class Worker:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._steps.put_nowait, (time.monotonic(), events))
 
+    def _on_cache_change(self, added: list[int], removed: list[int]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._load.cache_changed, added, removed)
+
     # -- taking requests
 
     async def _take_requests(self, queue: RequestQueue) -> None:
         while True:
             if not self._engine.alive():
                 raise RuntimeError("the engine thread died")
+            offer(self._inbox_waiting, self._take_on, self._config.aging_s)  # routed here: first
             await queue.take(self._take_on, timeout_s=0.02)
-            drops, self._drops = self._drops, []
-            for delivery, error in drops:
-                if error is not None:
-                    expired = TokenEvent(
-                        request_id=delivery.request.request_id,
-                        attempt=delivery.request.attempt,
-                        index=0,
-                        finish_reason=FinishReason.STOP_SEQUENCE,
-                        error=error,
-                    )
-                    await self._publish(delivery.request.reply_to, [expired])
-                queue.finished(delivery)
+            await self._settle_drops()
+
+    async def _fill_freed_slots(self, queue: RequestQueue) -> None:
+        """Requests finished: start what waits here now, rather than on the take loop's next turn."""
+        offer(self._inbox_waiting, self._take_on, self._config.aging_s)
+        queue.offer_waiting(self._take_on)
+        await self._settle_drops()
+
+    async def _read_inbox(self, inbox: Listener) -> None:
+        """Requests routed here; started at once when there is room (else by the take loop, in turn)."""
+        async for message in inbox:
+            if isinstance(message, GenerationRequest):
+                self._inbox_waiting.append(Delivery(message, _INBOX))
+                offer(self._inbox_waiting, self._take_on, self._config.aging_s)
+                self._load.changed()
+                await self._settle_drops()
+
+    async def _settle_drops(self) -> None:
+        drops, self._drops = self._drops, []
+        for delivery, error in drops:
+            if error is not None:
+                expired = TokenEvent(
+                    request_id=delivery.request.request_id,
+                    attempt=delivery.request.attempt,
+                    index=0,
+                    finish_reason=FinishReason.STOP_SEQUENCE,
+                    error=error,
+                )
+                await self._publish(delivery.request.reply_to, [expired])
+            self._finished(delivery)
+
+    def _finished(self, delivery: Delivery) -> None:
+        if delivery.source is not _INBOX:
+            assert self._queue is not None
+            self._queue.finished(delivery)
 
     def _take_on(self, delivery: Delivery) -> bool:
         """Whether to take a request now (`RequestQueue.take`'s accept): to start it, or to drop it."""
@@ -205,8 +261,10 @@ class Worker:
             self._gateways.expect(request.reply_to, time.monotonic())
             self._active[request.request_id] = _Taken(delivery, RequestTimer(self._metrics, request))
             self._engine.submit(request, time.monotonic())
+            self._load.changed()
             log.info(
                 "request_admitted",
+                worker_id=self._settings.worker_id,
                 request_id=request.request_id,
                 priority=request.priority,
                 attempt=request.attempt,
@@ -242,17 +300,22 @@ class Worker:
                 if taken.cancelled_at is not None and computed_at > taken.cancelled_at:
                     TOKENS_AFTER_CANCEL.labels(self.model.name).inc(len(event.token_ids))
             await asyncio.gather(*(self._publish(topic, batch) for topic, batch in by_gateway.items()))
+            finished = False
             for event in events:
                 if event.finish_reason is not None or event.error is not None:
                     taken = self._active.pop(event.request_id, None)
                     if taken is not None:
-                        queue.finished(taken.delivery)
+                        self._finished(taken.delivery)
+                        self._load.changed()
+                        finished = True
                         log.info(
                             "request_finished",
                             request_id=event.request_id,
                             finish_reason=event.finish_reason,
                             generated_tokens=event.index + len(event.token_ids),
                         )
+            if finished:
+                await self._fill_freed_slots(queue)
 
     async def _publish(self, topic: str, events: list[TokenEvent]) -> None:
         # If the gateway is gone or unreachable, its clients get their error from
@@ -310,12 +373,30 @@ class Worker:
             return
         self._gateways.consumer_rebuilt()
 
+    def _current_load(self) -> dict:
+        by_priority = [0] * 5
+        for taken in self._active.values():
+            by_priority[taken.priority - 1] += 1
+        return {
+            "capacity": self._config.max_batch_size,
+            "running": len(self._active),
+            "waiting": len(self._inbox_waiting) + (self._queue.waiting() if self._queue else 0),
+            "running_by_priority": by_priority,
+            "kv_blocks": self._engine.kv_blocks,
+            "free_kv_blocks": self._engine.free_kv_blocks,
+            "block_size": self._config.block_size,
+            "seconds_per_prompt_token": self._engine.seconds_per_prompt_token,
+            **self._engine.prompt_stats(),
+        }
+
     def _heartbeat(self, leaving: bool = False) -> WorkerHeartbeat:
+        # What waits in its inbox is listed too: a gateway fails over what a live worker does not list.
+        held = {d.request.request_id: d.request.attempt for d in self._inbox_waiting}
         return WorkerHeartbeat(
             worker_id=self._settings.worker_id,
             model=self.model,
             running=len(self._active),
-            requests={request_id: taken.attempt for request_id, taken in self._active.items()},
+            requests=held | {request_id: taken.attempt for request_id, taken in self._active.items()},
             capacity=self._config.max_batch_size,
             interval_s=self._settings.heartbeat_interval_s,
             leaving=leaving,

@@ -68,7 +68,7 @@ def decode_bytes(loaded: LoadedModel, contexts: list[int]) -> int:
     return weights + sum(contexts) * KVGeometry.of(model).bytes_per_token
 
 
-def _decode_step(contexts: list[int], block_size: int, vocab: int) -> StepLayout:
+def decode_layout(contexts: list[int], block_size: int, vocab: int) -> StepLayout:
     """b sequences in consecutive fresh blocks, each decoding the token at its context's last position."""
     tables, slots, next_block = [], [], 0
     for context in contexts:
@@ -82,7 +82,7 @@ def _decode_step(contexts: list[int], block_size: int, vocab: int) -> StepLayout
     return StepLayout(ids, positions, slots, tables, contexts, len(contexts), [], list(range(len(contexts))))
 
 
-def _median_ms(runner: ModelRunner, step: StepLayout, draws: DrawBatch, graphs: bool, repeats: int) -> float:
+def median_step_ms(runner: ModelRunner, step: StepLayout, draws: DrawBatch, graphs: bool, repeats: int) -> float:
     """The median time of the step, as the engine runs it, ending when its tokens are read."""
     for _ in range(3):
         sample(runner.head, runner.forward(step, graphs=graphs), draws)
@@ -111,12 +111,12 @@ def time_decode_steps(
             if out is not None:
                 print(f"  batch {batch}: skipped, {needed} blocks > the cache's {runner.num_blocks}", file=out)
             continue
-        step = _decode_step(contexts, runner.block_size, runner.head.vocab_size)
+        step = decode_layout(contexts, runner.block_size, runner.head.vocab_size)
         draws = DrawBatch.of([Draw(SamplingParams(seed=0), (), 0)] * batch, runner.head.vocab_size, device)
-        eager = _median_ms(runner, step, draws, False, repeats)
+        eager = median_step_ms(runner, step, draws, False, repeats)
         graphed = None
         if runner.graphed and batch <= config.max_batch_size:
-            graphed = _median_ms(runner, step, draws, True, repeats)
+            graphed = median_step_ms(runner, step, draws, True, repeats)
         bound = decode_bytes(loaded, contexts) / bandwidth * 1000
         timing = StepTiming(
             batch=batch,

@@ -73,25 +73,28 @@ def _parameters(request: Request) -> dict:
     return {"max_new_tokens": request.max_new_tokens, "do_sample": False, "seed": 1, "details": True}
 
 
-async def _sse(client: httpx.AsyncClient, url: str, body: dict, prefix: str) -> AsyncIterator[dict]:
+async def sse(client: httpx.AsyncClient, url: str, body: dict, prefix: str) -> AsyncIterator[dict]:
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
             if line.startswith(prefix):
-                yield json.loads(line[len(prefix) :])
+                payload = line[len(prefix) :]
+                if payload.strip() == "[DONE]":  # the end of an OpenAI stream
+                    return
+                yield json.loads(payload)
 
 
 async def _events(endpoint: str, client: httpx.AsyncClient, base: str, model: str, request: Request):
     """The endpoint's stream events for one request, each as (tokens generated so far, error)."""
     if endpoint == "generate_stream":
         body = {"text_input": request.prompt, "parameters": _parameters(request)}
-        async for obj in _sse(client, f"{base}/v2/models/{model}/generate_stream", body, "data:"):
+        async for obj in sse(client, f"{base}/v2/models/{model}/generate_stream", body, "data:"):
             yield obj.get("details", {}).get("generated_tokens"), obj.get("error")
     elif endpoint == "infer":
         body = {"inputs": request.prompt, "stream": True, "parameters": _parameters(request)}
         count = 0
-        async for obj in _sse(client, f"{base}/infer", body, "data: "):
+        async for obj in sse(client, f"{base}/infer", body, "data: "):
             count += obj.get("token") is not None and obj["token"].get("id") is not None
             yield count, obj.get("error")
     else:
@@ -145,7 +148,7 @@ async def run_load(
     return summarize(outcomes, time.perf_counter() - started)
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
+def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
     ordered = sorted(values)
@@ -173,10 +176,10 @@ def summarize(outcomes: list[Outcome], duration_s: float) -> dict:
         "request_throughput": round(len(done) / duration_s, 3),
         "output_tokens": tokens,
         "output_token_throughput": round(tokens / duration_s, 1),
-        "ttft_ms": _percentiles(ttft),
-        "tpot_ms": _percentiles(tpot),
-        "itl_ms": _percentiles(itl),
-        "e2e_ms": _percentiles(e2e),
+        "ttft_ms": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(itl),
+        "e2e_ms": percentiles(e2e),
     }
 
 

@@ -7,6 +7,11 @@ registered under that hash, and a later sequence whose prompt starts with the
 same tokens takes the block instead of computing it again. A freed block
 keeps its hash, and its KV, until the allocator hands it out anew (oldest
 freed first), so a preempted sequence usually finds its own prefix again.
+
+Routers name prompt prefixes without tokens (bus/prefixes.py); a sequence
+marks the blocks where its named prefixes end, and the manager reports a
+name as cached once such a block's KV is computed, and as gone once that
+block is handed out anew.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # least recently freed first
         self._by_hash: dict[int, int] = {}
         self.reused_tokens = 0  # prompt tokens whose KV came from the cache, since start
+        self._prefixes_of: dict[int, list[int]] = {}  # block id -> prefix hashes it holds the end of
+        self._prefixes: set[int] = set()  # every prefix hash held
+        self._prefixes_added: list[int] = []  # since drain_prefix_changes
+        self._prefixes_removed: list[int] = []
 
     @property
     def free_blocks(self) -> int:
@@ -78,6 +87,8 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_count += 1
         sequence.block_table = list(cached)
+        for index, block_id in enumerate(cached):
+            self._hold_prefixes(block_id, sequence.prefix_marks.get(index, ()))
         sequence.num_cached_tokens = len(cached) * self.block_size
         self.reused_tokens += sequence.num_cached_tokens
         while len(sequence.block_table) < self.blocks_for(sequence.num_tokens):
@@ -88,6 +99,9 @@ class BlockManager:
         block = self._blocks[block_id]
         if block.hash is not None and self._by_hash.get(block.hash) == block_id:
             del self._by_hash[block.hash]  # its old KV is about to be overwritten
+        for prefix in self._prefixes_of.pop(block_id, ()):
+            self._prefixes.discard(prefix)
+            self._prefixes_removed.append(prefix)
         block.hash, block.tokens, block.ref_count = None, (), 1
         return block_id
 
@@ -128,3 +142,18 @@ class BlockManager:
             if block.hash is None:
                 block.hash, block.tokens = previous, tuple(chunk)
                 self._by_hash.setdefault(previous, block_id)
+            self._hold_prefixes(block_id, sequence.prefix_marks.get(index, ()))
+
+    def _hold_prefixes(self, block_id: int, prefixes) -> None:
+        for prefix in prefixes:
+            if prefix not in self._prefixes:
+                self._prefixes.add(prefix)
+                self._prefixes_of.setdefault(block_id, []).append(prefix)
+                self._prefixes_added.append(prefix)
+
+    def drain_prefix_changes(self) -> tuple[list[int], list[int]]:
+        """The prefix hashes cached, and those no longer cached, since the last call."""
+        added = [p for p in dict.fromkeys(self._prefixes_added) if p in self._prefixes]
+        removed = [p for p in dict.fromkeys(self._prefixes_removed) if p not in self._prefixes]
+        self._prefixes_added, self._prefixes_removed = [], []
+        return added, removed

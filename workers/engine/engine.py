@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from bus.prefixes import CHUNK_BYTES, prefix_hashes, prompt_bytes
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
@@ -79,13 +80,16 @@ class Engine:
         config: EngineConfig,
         on_step: Callable[[list[TokenEvent]], None],
         graph_capture=None,
+        on_cache: Callable[[list[int], list[int]], None] | None = None,
     ):
         """`loaded`: a LoadedModel (model_loader.py) or a SimulatedModel (workers/simulated/), whose
         runner computes the steps; `graph_capture`: how a ModelRunner captures decode graphs
-        (cuda_graphs.py); tests replace it on the CPU."""
+        (cuda_graphs.py); tests replace it on the CPU. `on_cache(added, removed)`: the prompt prefix
+        hashes (bus/prefixes.py) that became cached and that were evicted, after the steps that change them."""
         self._loaded = loaded
         self.config = config = config.for_device(loaded.device_type)  # the device's defaults filled in
         self._on_step = on_step
+        self._on_cache = on_cache
         self._runner = loaded.runner(config, graph_capture)
         capacity = self._runner.num_blocks * config.block_size
         if capacity < config.max_seq_len:
@@ -95,6 +99,7 @@ class Engine:
             SchedulerConfig(config.max_batch_size, config.max_tokens_per_step, config.aging_s), self._blocks
         )
         self._sequences: dict[str, Sequence] = {}
+        self.seconds_per_prompt_token = 0.0  # of the steps with prompt chunks, lately (a router weighs waits by it)
         self._inbox: queue.SimpleQueue[_Submit | _Cancel | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -107,6 +112,22 @@ class Engine:
             self._loaded.max_position_embeddings,
             1024 * 1024,
         )
+
+    @property
+    def kv_blocks(self) -> int:
+        return self._runner.num_blocks
+
+    @property
+    def free_kv_blocks(self) -> int:
+        """Blocks free, or only holding cached prefixes (read from any thread: a length, never torn)."""
+        return self._blocks.free_blocks
+
+    def prompt_stats(self) -> dict[str, int]:
+        """Prompt tokens of the requests started, and of those the tokens found in the prefix cache."""
+        return {
+            "prompt_tokens": self._scheduler.prompt_tokens,
+            "cached_prompt_tokens": self._scheduler.cached_prompt_tokens,
+        }
 
     def stats(self) -> dict[str, int]:
         """Counters since start: preemptions, and prompt tokens served from the prefix cache."""
@@ -156,6 +177,10 @@ class Engine:
             events.extend(self._step())
             if events:
                 self._on_step(events)
+            if self._on_cache is not None:
+                added, removed = self._blocks.drain_prefix_changes()
+                if added or removed:
+                    self._on_cache(added, removed)
 
     def _apply(self, command: _Submit | _Cancel) -> list[TokenEvent]:
         if isinstance(command, _Cancel):
@@ -205,7 +230,20 @@ class Engine:
             received_at=received_at,
         )
         sequence.replay(request.generated_token_ids)  # the text goes on exactly where the client's stopped
+        if self._on_cache is not None:
+            sequence.prefix_marks = self._prefix_marks(request, len(prompt_ids))
         return sequence
+
+    def _prefix_marks(self, request: GenerationRequest, prompt_tokens: int) -> dict[int, list[int]]:
+        """Where each named prefix of the prompt ends among its KV blocks, in proportion to its bytes (a
+        router's estimate: the names are of bytes, the blocks of tokens)."""
+        tokens_per_byte = prompt_tokens / max(1, len(prompt_bytes(request)))
+        marks: dict[int, list[int]] = {}
+        for number, prefix in enumerate(prefix_hashes(request), start=1):
+            block = int(number * CHUNK_BYTES * tokens_per_byte) // self.config.block_size - 1
+            if block >= 0:
+                marks.setdefault(block, []).append(prefix)
+        return marks
 
     def _render_chat(self, request: GenerationRequest) -> list[int]:
         tokenizer = self._loaded.tokenizer
@@ -242,6 +280,12 @@ class Engine:
             log.exception("step_failed", requests=[c.sequence.request_id for c in chunks])
             failure = ErrorInfo(message=f"generation failed: {error}", error_type="Incomplete Generation", status=500)
             return [self._end(c.sequence, FinishReason.INVALID_FLAG, failure) for c in chunks]
+        prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        if prompt_tokens:
+            cost = (time.monotonic() - started_at) / prompt_tokens  # decoding rows ride along: an upper bound
+            self.seconds_per_prompt_token = (
+                0.8 * self.seconds_per_prompt_token + 0.2 * cost if self.seconds_per_prompt_token else cost
+            )
         for chunk in chunks:
             self._blocks.computed(chunk.sequence, chunk.sequence.num_cached_tokens + chunk.num_tokens)
         events = []

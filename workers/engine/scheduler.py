@@ -52,6 +52,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.preemptions = 0  # since start, for metrics and tests
+        # Since start, at each sequence's first admission: its prompt, and what the prefix cache held of it.
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -136,3 +139,5 @@ class Scheduler:
             self.running.append(candidate)
             if candidate.admitted_at is None:
                 candidate.admitted_at = now
+                self.prompt_tokens += len(candidate.prompt_ids)
+                self.cached_prompt_tokens += min(candidate.num_cached_tokens, len(candidate.prompt_ids))

@@ -34,6 +34,8 @@ class Sequence:
     admitted_urgency: float = 0.0  # its aged priority when last admitted (see Scheduler._victim)
     last_token_at: float | None = None
     preemptions: int = 0
+    # Block index -> the prompt prefix hashes (bus/prefixes.py) whose prefix ends in that block.
+    prefix_marks: dict[int, list[int]] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
 
     @property

@@ -1,0 +1,37 @@
+"""Prompt prefix hashes: the names gateways and workers give to the prompt prefixes a worker has cached.
+
+Gateways do not tokenize, so the names come from the request as published:
+its prompt (text, chat messages or token ids) read as one byte string, cut
+into CHUNK_BYTES pieces, each piece hashed together with the hash of all
+before it, as a KV cache names its blocks. Two prompts that start alike
+share their first hashes; a conversation's next turn, which resends the
+history, shares every hash of the turn before. Only whole pieces are named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from schemas.messages import GenerationRequest
+
+CHUNK_BYTES = 256  # about 64 tokens of English: a few KV blocks
+
+
+def prompt_bytes(request: GenerationRequest) -> bytes:
+    if request.chat_messages is not None:
+        return "".join(f"\x1e{m.role}\x1f{m.content}" for m in request.chat_messages).encode()
+    if request.prompt_token_ids is not None:
+        return ",".join(map(str, request.prompt_token_ids)).encode()
+    return (request.prompt_text or "").encode()
+
+
+def prefix_hashes(request: GenerationRequest) -> list[int]:
+    """One hash per whole CHUNK_BYTES of the prompt; none when the prompt is truncated from the left."""
+    if request.truncate is not None:
+        return []  # its kept tokens are the last ones: no prefix to name
+    data = prompt_bytes(request)
+    hashes, previous = [], b""
+    for end in range(CHUNK_BYTES, len(data) + 1, CHUNK_BYTES):
+        previous = hashlib.blake2b(previous + data[end - CHUNK_BYTES : end], digest_size=6).digest()
+        hashes.append(int.from_bytes(previous))
+    return hashes

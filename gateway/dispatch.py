@@ -1,0 +1,146 @@
+"""Sending a request where it will run: the inbox of the worker the router picks, as soon as one has room.
+
+A request that no worker has room for now waits here, most urgent first
+(its priority, aged by its wait), and goes out as soon as a load report
+shows room: a worker's free slot, its read-ahead (router.py), or a running
+request of a lower priority that it would preempt. Waiting here rather than
+in a topic that only some workers read means that whichever worker frees a
+slot first gets the next request: no worker idles while a request waits for
+another. One exception trades a little waiting for computing: a request
+whose prompt a worker without room holds cached, more of it than any
+worker with room, waits for that worker's next free slot as long as that
+worker would take to compute the difference (as a conversation's next turn
+does); the clock runs only while some other worker has room.
+
+Until the router has heard of any worker of the model (a gateway that just
+started), or when routing is off (`--no-router`), requests go to the
+request topics that all the model's workers share, as before routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from prometheus_client import Gauge
+
+from bus.base import Bus, BusUnavailable, UnknownTopic
+from bus.prefixes import prefix_hashes
+from bus.topics import request_topic
+from gateway.inflight import InFlight
+from gateway.router import Router
+
+log = structlog.get_logger(__name__)
+
+HELD = Gauge(
+    "tokenrelay_gateway_requests_held",
+    "Requests waiting in the gateway for a worker with room (the queue to scale workers on).",
+    ["model"],
+)
+_RETRY_S = 0.5  # a held request the bus refused is tried again this soon, or at the next load report
+
+
+class Dispatcher:
+    def __init__(self, bus: Bus, router: Router | None, topic_prefix: str, aging_s: float = 10.0) -> None:
+        """`router` None: every request goes to the shared request topics (the placement before routing)."""
+        self._bus = bus
+        self._router = router
+        self._topic_prefix = topic_prefix
+        self._aging_s = aging_s
+        # -> since when another worker than the one holding its prompt had room (time.monotonic())
+        self._held: dict[InFlight, float] = {}
+        self._wake = asyncio.Event()
+
+    def room_may_have_changed(self) -> None:
+        """A load report came: try the held requests again."""
+        if self._held:
+            self._wake.set()
+
+    async def dispatch(self, inflight: InFlight) -> None:
+        """Publish the request's current attempt now, or hold it until a worker has room.
+
+        Raises what Bus.publish raises when it publishes now.
+        """
+        outcome = await self._publish_routed(inflight, time.monotonic())
+        if outcome == _NO_WORKER:
+            topic = request_topic(self._topic_prefix, inflight.request.model, inflight.request.priority)
+            await self._bus.publish(topic, inflight.request)
+            log.info("request_queued", request_id=inflight.request.request_id, topic=topic)
+        elif outcome != _SENT:
+            self._held[inflight] = time.monotonic()
+            HELD.labels(inflight.request.model).inc()
+            log.info("request_held", request_id=inflight.request.request_id, held=len(self._held))
+            self._wake.set()  # a wait for a cache ends by the clock, not by a report
+
+    def release(self, inflight: InFlight) -> bool:
+        """Stop holding the request (it ended here); whether it was held."""
+        if self._held.pop(inflight, None) is None:
+            return False
+        HELD.labels(inflight.request.model).dec()
+        return True
+
+    async def _publish_routed(self, inflight: InFlight, held_since: float) -> str:
+        """Publish to the inbox of the worker the router picks: _SENT, _NO_ROOM, _WAITING (for the worker that
+        has its prompt cached), or _NO_WORKER (routing is off, or no worker of the model reports)."""
+        request = inflight.request
+        if self._router is None or not self._router.knows(request.model):
+            return _NO_WORKER
+        hashes = prefix_hashes(request)
+        while (
+            route := self._router.choose(request.model, request.priority, hashes, inflight.broke_off_on)
+        ) is not None:
+            if time.monotonic() - held_since < route.worth_waiting_s:
+                return _WAITING
+            self._router.routed(route)  # before the await: requests dispatched meanwhile see it
+            try:
+                await self._bus.publish(route.inbox, request)
+            except UnknownTopic:
+                self._router.forget(route.worker_id)  # it left, and its inbox with it
+                continue
+            if inflight.request is request:  # else it failed over meanwhile, and that attempt is sent anew
+                inflight.routed_to(route.worker_id)
+            log.info(
+                "request_routed",
+                request_id=request.request_id,
+                attempt=request.attempt,
+                worker_id=route.worker_id,
+                cached_tokens=route.cached_tokens,
+            )
+            return _SENT
+        return _NO_ROOM
+
+    async def run(self) -> None:
+        """Send held requests, most urgent first, whenever reports show room (or a wait for a cache ends)."""
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), _RETRY_S if self._held else None)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            now = time.time()
+            waiting_for_cache = False
+            for inflight in sorted(self._held, key=lambda f: f.request.urgency(now, self._aging_s)):
+                if inflight not in self._held:
+                    continue  # ended meanwhile
+                try:
+                    outcome = await self._publish_routed(inflight, self._held[inflight])
+                except BusUnavailable as error:
+                    log.warning("held_request_not_published", request_id=inflight.request.request_id, error=str(error))
+                    break
+                if outcome == _NO_ROOM:
+                    # No room for the most urgent held, none for the less urgent either; the wait for
+                    # a worker with the prompt cached counts only from when another has room.
+                    for waiting in self._held:
+                        self._held[waiting] = time.monotonic()
+                    break
+                if outcome == _WAITING:
+                    waiting_for_cache = True
+                else:
+                    self.release(inflight)
+            if waiting_for_cache:
+                await asyncio.sleep(0.01)  # waits for a cache end by the clock too
+                self._wake.set()
+
+
+_SENT, _NO_ROOM, _WAITING, _NO_WORKER = "sent", "no room", "waiting for its cache", "no worker"

@@ -1,0 +1,133 @@
+"""Which worker a request goes to: the one with room that would compute the least of it.
+
+Workers report on the routing topic their inbox, their load and the prompt
+prefixes they hold in KV cache (workers/load_report.py). For a request the
+router considers the workers of its model whose report is fresh and that
+have room: a free slot (counting what this gateway routed to them since
+their report, and a few requests of read-ahead, so that a slot that frees
+is filled at once), or a running request of a lower priority, which the
+worker preempts. Among them it takes the lowest cost, as NVIDIA Dynamo's KV
+router does: the prompt tokens the worker does not hold cached, weighted,
+plus the tokens its running requests keep in cache. The weight is higher
+than Dynamo's 1, from what a step costs (workers/simulated/profile.py): a
+prompt token to compute costs as much as a cached token attended to by
+every step of a few hundred output tokens, and the room check already
+keeps a worker that holds a popular prefix from taking more than it can run. With no
+worker that has room, the request waits in the gateway (dispatch.py). A
+route is a hint: a stale one costs latency, never a request, since whatever
+a worker holds is failed over if it dies.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from bus.prefixes import CHUNK_BYTES
+from schemas.messages import WorkerLoad
+
+PREFILL_WEIGHT = 16.0  # Dynamo's overlap_score_weight: a prompt token to compute against a token held in cache
+BYTES_PER_TOKEN = 4  # to turn the prefix names' bytes into tokens
+STALE_AFTER_REPORTS = 3  # a worker whose report is older than this many intervals gets no route
+
+
+def read_ahead(capacity: int) -> int:
+    """Requests routed beyond a worker's free slots: enough that a slot that frees never waits for a gateway."""
+    return max(1, capacity // 8)
+
+
+@dataclass
+class _WorkerView:
+    load: WorkerLoad
+    heard_at: float
+    prefixes: set[int] = field(default_factory=set)
+    routed: int = 0  # requests this gateway routed to it since its last report
+
+    def room(self, priority: int) -> int:
+        free = self.load.capacity - self.load.running - self.load.waiting - self.routed
+        if free + read_ahead(self.load.capacity) > 0:
+            return free + read_ahead(self.load.capacity)
+        return sum(self.load.running_by_priority[priority:])  # running ones it would preempt
+
+    def cached_tokens(self, hashes: list[int]) -> int:
+        held = 0
+        for prefix in hashes:  # a prefix counts only if all before it is held too
+            if prefix not in self.prefixes:
+                break
+            held += 1
+        return held * CHUNK_BYTES // BYTES_PER_TOKEN
+
+    def busy_tokens(self) -> int:
+        """Tokens its running requests keep in cache (Dynamo's active blocks)."""
+        return (self.load.kv_blocks - self.load.free_kv_blocks) * self.load.block_size
+
+
+@dataclass(frozen=True)
+class Route:
+    worker_id: str
+    inbox: str
+    cached_tokens: int  # of the prompt, as the router estimates
+    # How long waiting for the worker that holds the most of the prompt (with room or not) is worth:
+    # what computing the tokens it holds beyond this route's would take it.
+    worth_waiting_s: float
+
+
+class Router:
+    def __init__(self) -> None:
+        self._workers: dict[str, _WorkerView] = {}
+
+    def observe(self, load: WorkerLoad) -> None:
+        view = self._workers.get(load.worker_id)
+        if view is None or load.snapshot:
+            view = self._workers[load.worker_id] = _WorkerView(load, time.monotonic(), set(load.prefixes_added))
+        else:
+            view.prefixes.difference_update(load.prefixes_removed)
+            view.prefixes.update(load.prefixes_added)
+            view.load, view.heard_at = load, time.monotonic()
+        view.routed = 0
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left: route nothing more to it."""
+        self._workers.pop(worker_id, None)
+
+    def knows(self, model: str) -> bool:
+        """Whether some worker of the model reports its load (else requests go to the shared queue)."""
+        return any(view.load.model == model and self._fresh(view) for view in self._workers.values())
+
+    def _fresh(self, view: _WorkerView) -> bool:
+        return time.monotonic() - view.heard_at <= STALE_AFTER_REPORTS * view.load.interval_s
+
+    def choose(self, model: str, priority: int, hashes: list[int], avoid: str | None = None) -> Route | None:
+        """The worker to route a request to, or None: none has room (or none reported).
+
+        `avoid`: a worker to take only if no other has room (the one a failed-over request broke off on).
+        """
+        best: tuple[bool, float, int, _WorkerView, int] | None = None
+        most_cached, most_cached_view = 0, None
+        for view in self._workers.values():
+            load = view.load
+            if load.model != model or not self._fresh(view):
+                continue
+            cached = view.cached_tokens(hashes)
+            if cached > most_cached:
+                most_cached, most_cached_view = cached, view
+            if view.room(priority) <= 0:
+                continue
+            uncached = len(hashes) * CHUNK_BYTES // BYTES_PER_TOKEN - cached
+            cost = PREFILL_WEIGHT * uncached + view.busy_tokens()
+            key = (load.worker_id == avoid, cost, load.running + load.waiting + view.routed)
+            if best is None or key < best[:3]:
+                best = (*key, view, cached)
+        if best is None:
+            return None
+        view, cached = best[3], best[4]
+        worth = 0.0
+        if most_cached_view is not None and most_cached_view.load.worker_id != avoid:
+            worth = (most_cached - cached) * most_cached_view.load.seconds_per_prompt_token
+        return Route(view.load.worker_id, view.load.inbox, cached, worth)
+
+    def routed(self, route: Route) -> None:
+        """The request went where `route` says: count it against that worker's room until it reports."""
+        view = self._workers.get(route.worker_id)
+        if view is not None:
+            view.routed += 1
