@@ -204,3 +204,23 @@ def test_an_urgent_request_preempts_the_least_urgent_when_the_batch_is_full():
     scheduler.add(_sequence([7, 8], priority=5, name="equal"))
     assert {c.sequence.request_id for c in scheduler.schedule()} == {"older", "urgent"}
     assert scheduler.preemptions == 1 and len(scheduler.waiting) == 2
+
+
+def test_a_named_prefix_is_reported_once_its_block_is_computed_and_gone_once_the_block_is_reused():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    first = _sequence(list(range(10)), name="a")
+    first.prefix_marks = {0: [101], 1: [102]}  # prefixes ending in blocks 0 and 1
+    blocks.allocate(first)
+    assert blocks.drain_prefix_changes() == ([], [])  # nothing computed yet
+    blocks.computed(first, 6)  # block 0 full, block 1 not
+    assert blocks.drain_prefix_changes() == ([101], [])
+    _compute(blocks, first)
+    assert blocks.drain_prefix_changes() == ([102], [])
+    again = _sequence(list(range(10)), name="b")
+    again.prefix_marks = {0: [101]}
+    blocks.allocate(again)  # a cache hit: already held, not reported twice
+    assert blocks.drain_prefix_changes() == ([], [])
+    blocks.free(again)
+    blocks.free(first)
+    blocks.allocate(_sequence([50 + i for i in range(16)], name="c"))  # takes every block, the held ones last
+    assert blocks.drain_prefix_changes() == ([], [102, 101])

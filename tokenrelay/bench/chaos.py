@@ -13,6 +13,10 @@ again at once. Every stream is checked against its reference and counted:
 - different: as many tokens as the reference, but other text;
 - hung: no end within `--hang-after` seconds.
 
+Also measured: how long after each kill the streams it broke resumed (a
+stream is taken as broken by a kill when no token came for `--broken-gap`
+seconds around it).
+
 Prints the counts (and, with `--json`, one JSON object on the last line);
 exits 1 unless every stream completed as its reference.
 """
@@ -63,6 +67,7 @@ class Kind:
 class Stream:
     text: str
     counts: list[int]  # generated_tokens of each event
+    times: list[float]  # when each event came (time.monotonic())
 
 
 def kinds(count: int, seed: int) -> list[Kind]:
@@ -72,7 +77,7 @@ def kinds(count: int, seed: int) -> list[Kind]:
 
 async def stream(client: httpx.AsyncClient, url: str, kind: Kind) -> Stream:
     """One generate_stream; raises RuntimeError for an HTTP error or an error event."""
-    texts, counts = [], []
+    texts, counts, times = [], [], []
     async with client.stream("POST", url, json=kind.body()) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
@@ -83,7 +88,19 @@ async def stream(client: httpx.AsyncClient, url: str, kind: Kind) -> Stream:
                     raise RuntimeError(f"error event: {event}")
                 texts.append(event["text_output"])
                 counts.append(event["details"]["generated_tokens"])
-    return Stream("".join(texts), counts)
+                times.append(time.monotonic())
+    return Stream("".join(texts), counts, times)
+
+
+def resume_delays(streams: list[Stream], kills: list[float], broken_gap_s: float) -> list[float]:
+    """Per stream broken by a kill (no token for `broken_gap_s` around it): seconds from the kill to its next token."""
+    delays = []
+    for got in streams:
+        for before, after in zip(got.times, got.times[1:], strict=False):
+            broken_by = [k for k in kills if before <= k < after]
+            if broken_by and after - before >= broken_gap_s:
+                delays.append(after - broken_by[-1])
+    return delays
 
 
 def judge(got: Stream, expected: Stream) -> str:
@@ -131,6 +148,7 @@ async def run_chaos(
     kill_every_s: float,
     concurrency: int,
     hang_after_s: float,
+    broken_gap_s: float = 1.0,
     model: str = "tokenrelay-tiny",
     seed: int = 0,
 ) -> dict:
@@ -138,6 +156,8 @@ async def run_chaos(
     request_kinds = kinds(16, seed)
     tally: Counter[str] = Counter()
     errors: Counter[str] = Counter()
+    finished: list[Stream] = []
+    kill_times: list[float] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(hang_after_s, connect=10)) as client:
         references = await asyncio.gather(
             *(stream(client, endpoints[i % len(endpoints)], k) for i, k in enumerate(request_kinds))
@@ -153,6 +173,7 @@ async def run_chaos(
                         stream(client, endpoints[n % len(endpoints)], request_kinds[kind]), hang_after_s
                     )
                     tally[judge(got, references[kind])] += 1
+                    finished.append(got)
                 except TimeoutError:
                     tally["hung"] += 1
                 except (RuntimeError, httpx.HTTPError) as error:
@@ -166,12 +187,19 @@ async def run_chaos(
             started, kills = stop_at - duration_s, 0
             while (at := started + (kills + 1) * kill_every_s) < stop_at:
                 await asyncio.sleep(at - time.monotonic())
+                kill_times.append(time.monotonic())
                 workers.kill_and_restart(kills % len(workers.processes))
                 kills += 1
             tally["kills"] = kills
 
         await asyncio.gather(killer(), *(client_loop(i) for i in range(concurrency)))
+    delays = sorted(resume_delays(finished, kill_times, broken_gap_s))
     return {
+        "resumed_after_kill_s": {
+            "streams": len(delays),
+            "p50": round(delays[len(delays) // 2], 2) if delays else None,
+            "max": round(delays[-1], 2) if delays else None,
+        },
         "requests": sum(tally[o] for o in OUTCOMES),
         **{outcome: tally[outcome] for outcome in OUTCOMES},
         "workers_killed": tally["kills"],
@@ -189,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-every", type=float, default=20.0, help="seconds between worker kills")
     parser.add_argument("--concurrency", type=int, default=8, help="streams open at once")
     parser.add_argument("--hang-after", type=float, default=60.0, help="seconds after which a stream counts as hung")
+    parser.add_argument("--broken-gap", type=float, default=1.0, help="a pause this long around a kill: broken by it")
     parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
@@ -214,12 +243,18 @@ def main(argv: list[str] | None = None) -> None:
                 kill_every_s=args.kill_every,
                 concurrency=args.concurrency,
                 hang_after_s=args.hang_after,
+                broken_gap_s=args.broken_gap,
                 seed=args.seed,
             )
         )
     print(
         f"{result['requests']} requests in {args.duration:.0f} s, {result['workers_killed']} workers killed: "
         + ", ".join(f"{outcome} {result[outcome]}" for outcome in OUTCOMES),
+        flush=True,
+    )
+    resumed = result["resumed_after_kill_s"]
+    print(
+        f"{resumed['streams']} streams broken by a kill resumed after p50 {resumed['p50']} s, max {resumed['max']} s",
         flush=True,
     )
     if args.json:

@@ -1,0 +1,165 @@
+"""The gateway's router and dispatcher, on load reports alone, over the in-process bus."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bus.inprocess import InProcessBus
+from bus.prefixes import CHUNK_BYTES, prefix_hashes
+from gateway.dispatch import Dispatcher
+from gateway.inflight import InFlight
+from gateway.router import Router
+from schemas.messages import ChatMessage, GenerationRequest, SamplingParams, WorkerLoad
+
+
+def _load(worker: str, running: int = 0, capacity: int = 4, prefixes=(), **fields) -> WorkerLoad:
+    return WorkerLoad(
+        worker_id=worker,
+        model="m",
+        inbox=f"inbox.{worker}",
+        capacity=capacity,
+        running=running,
+        waiting=fields.pop("waiting", 0),
+        running_by_priority=fields.pop("running_by_priority", [0, 0, 0, 0, running]),
+        kv_blocks=100,
+        free_kv_blocks=fields.pop("free_kv_blocks", 100 - running),
+        block_size=16,
+        prefixes_added=list(prefixes),
+        snapshot=True,
+        interval_s=1.0,
+        **fields,
+    )
+
+
+def _request(text: str = "x", priority: int = 5, **fields) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=fields.pop("request_id", "r"),
+        model="m",
+        prompt_text=text,
+        sampling=SamplingParams(seed=1),
+        priority=priority,
+        arrival=0.0,
+        deadline=1e12,
+        reply_to="replies",
+        **fields,
+    )
+
+
+def test_equal_prompt_prefixes_share_their_hashes_and_a_next_turn_extends_them():
+    system = ChatMessage(role="system", content="s" * 600)
+    first = [system, ChatMessage(role="user", content="u" * 300)]
+    turn = _request(chat_messages=first, text=None)
+    next_turn = _request(chat_messages=[*first, ChatMessage(role="assistant", content="a" * 200)], text=None)
+    hashes, longer = prefix_hashes(turn), prefix_hashes(next_turn)
+    assert len(hashes) == (len("\x1esystem\x1f") + 600 + len("\x1euser\x1f") + 300) // CHUNK_BYTES
+    assert longer[: len(hashes)] == hashes and len(longer) > len(hashes)
+    assert prefix_hashes(_request(text="t" * 1000, truncate=10)) == []
+
+
+def test_the_worker_with_room_that_holds_most_of_the_prompt_wins_and_the_load_breaks_ties():
+    router = Router()
+    request = _request("p" * 2048)
+    hashes = prefix_hashes(request)
+    router.observe(_load("cold"))
+    router.observe(_load("warm", running=2, prefixes=hashes[:6]))
+    router.observe(_load("warmest-but-full", running=4, capacity=4, waiting=1, prefixes=hashes))
+    route = router.choose("m", 5, hashes)
+    assert (route.worker_id, route.inbox) == ("warm", "inbox.warm")
+    assert route.cached_tokens == 6 * CHUNK_BYTES // 4
+    assert route.worth_waiting_s == 0.0  # the full one reports no prompt cost yet
+    assert router.choose("m", 5, []).worker_id == "cold"  # nothing cached anywhere: the least busy
+    assert router.choose("other model", 5, hashes) is None
+
+
+def test_a_full_worker_has_room_for_a_more_urgent_request_it_would_preempt_for():
+    router = Router()
+    router.observe(_load("w", running=4, capacity=4, waiting=1, running_by_priority=[0, 0, 1, 0, 3]))
+    assert router.choose("m", 5, []) is None
+    assert router.choose("m", 3, []) is not None  # three priority-5 requests to preempt
+
+
+def test_routes_count_against_a_worker_until_its_next_report():
+    router = Router()
+    router.observe(_load("w", running=0, capacity=4))
+    routes = []
+    while (route := router.choose("m", 5, [])) is not None:
+        router.routed(route)
+        routes.append(route)
+    assert len(routes) == 4 + 1  # its free slots and one read ahead
+    router.observe(_load("w", running=4, capacity=4))
+    assert router.choose("m", 5, []) is not None  # the read-ahead again
+
+
+def test_a_failover_avoids_the_worker_it_broke_off_on_unless_no_other_has_room():
+    router = Router()
+    router.observe(_load("a"))
+    router.observe(_load("b", running=3))
+    assert router.choose("m", 5, [], avoid="a").worker_id == "b"
+    router.observe(_load("b", running=4, waiting=1))
+    assert router.choose("m", 5, [], avoid="a").worker_id == "a"
+
+
+def test_waiting_for_the_cached_worker_is_worth_the_time_it_would_save():
+    router = Router()
+    hashes = prefix_hashes(_request("p" * 4096))
+    router.observe(_load("cold"))
+    router.observe(_load("full", running=4, waiting=1, prefixes=hashes, seconds_per_prompt_token=0.001))
+    route = router.choose("m", 5, hashes)
+    assert route.worker_id == "cold"
+    assert route.worth_waiting_s == len(hashes) * CHUNK_BYTES // 4 * 0.001
+
+
+def test_removed_prefixes_stop_counting_and_a_snapshot_replaces_them():
+    router = Router()
+    hashes = prefix_hashes(_request("p" * 1024))
+    router.observe(_load("w", prefixes=hashes))
+    delta = _load("w", prefixes=[]).model_copy(update={"snapshot": False, "prefixes_removed": hashes[2:]})
+    router.observe(delta)
+    assert router.choose("m", 5, hashes).cached_tokens == 2 * CHUNK_BYTES // 4
+    router.observe(_load("w", prefixes=[]))
+    assert router.choose("m", 5, hashes).cached_tokens == 0
+
+
+async def _received(bus: InProcessBus, topic: str):
+    return await bus.listen(topic, replay_s=60)
+
+
+async def test_a_request_no_worker_has_room_for_waits_in_the_gateway_and_goes_to_the_first_with_room():
+    bus = InProcessBus()
+    await bus.create_topics({"inbox.a": 1, "inbox.b": 1, "t.m.p5": 1})
+    router = Router()
+    dispatcher = Dispatcher(bus, router, "t")
+    running = asyncio.create_task(dispatcher.run())
+    try:
+        first = InFlight(_request(request_id="first"), "c1")
+        await dispatcher.dispatch(first)  # no worker reports yet: the shared queue
+        assert first.worker_id is None and not dispatcher.release(first)
+        router.observe(_load("a", running=4, waiting=1))
+        router.observe(_load("b", running=4, waiting=1))
+        second = InFlight(_request(request_id="second"), "c2")
+        await dispatcher.dispatch(second)
+        assert second.worker_id is None  # held
+        router.observe(_load("b", running=3))
+        dispatcher.room_may_have_changed()
+        for _ in range(100):
+            if second.worker_id is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert second.worker_id == "b"
+        assert not dispatcher.release(second)  # no longer held
+        listener = await _received(bus, "inbox.b")
+        message = await asyncio.wait_for(anext(aiter(listener)), 1)
+        assert message.request_id == "second"
+    finally:
+        running.cancel()
+
+
+async def test_a_held_request_that_ends_is_released_and_never_sent():
+    bus = InProcessBus()
+    await bus.create_topics({"inbox.a": 1})
+    router = Router()
+    dispatcher = Dispatcher(bus, router, "t")
+    router.observe(_load("a", running=4, waiting=1))
+    held = InFlight(_request(request_id="gone"), "c")
+    await dispatcher.dispatch(held)
+    assert dispatcher.release(held) and not dispatcher.release(held)
