@@ -12,6 +12,15 @@ means this process's consumer is stuck.
 
 from __future__ import annotations
 
+import time
+
+import structlog
+
+from bus.base import Bus, BusUnavailable, Listener
+from schemas.messages import BusMessage
+
+log = structlog.get_logger(__name__)
+
 
 class PeerClock:
     def __init__(self, interval_s: float, silence_s: float, stuck_after_s: float, forget_after_s: float) -> None:
@@ -77,3 +86,21 @@ class PeerClock:
         horizon = now - self._forget_after_s
         self._heard = {p: t for p, t in self._heard.items() if t > horizon}
         self._left = {p: t for p, t in self._left.items() if t > horizon}
+
+
+async def send_own_heartbeat(bus: Bus, topic: str, heartbeat: BusMessage, listener: Listener, echo: PeerClock) -> None:
+    """Publish this process's heartbeat where `listener` reads; rebuild the listener once `echo` says it is stuck
+    (if the broker refuses the rebuild now, the next heartbeat tries again)."""
+    if await bus.publish_or_log(topic, heartbeat, "heartbeat_not_published"):
+        echo.own_published(time.monotonic())
+    else:
+        echo.own_not_published()
+    if not echo.stuck():
+        return
+    log.warning("listener_stuck", topic=topic)
+    try:
+        await listener.rebuild()
+    except BusUnavailable as error:
+        log.warning("listener_not_rebuilt", topic=topic, error=str(error))
+        return
+    echo.consumer_rebuilt()

@@ -33,7 +33,9 @@ FAILOVERS = Counter(
     "Requests re-published to continue on another worker, by why their attempt broke off.",
     ["model", "reason"],
 )
-WORKER_SILENCE_S = 3.0  # three heartbeats
+# Two heartbeats and a half: a worker's death is noticed 1.5-2.5 s after it (checked every CHECK_EVERY_S).
+WORKER_SILENCE_S = 2.5
+CHECK_EVERY_S = 0.25
 MAX_ATTEMPTS = 8  # past this many, a request ends with an error rather than fail over forever
 _REMEMBER_S = 600.0  # gone workers, and the unwanted events already answered
 _RECANCEL_AFTER_S = 5.0  # a cancel for unwanted events is sent again if they keep coming this long after

@@ -83,27 +83,23 @@ class InFlight:
 
     def stop_unstarted(self) -> None:
         """End a request that no worker has (it waited in the gateway) as stopped, like a cancel does."""
-        self._events.put_nowait(
-            TokenEvent(
-                request_id=self.request.request_id,
-                attempt=self.request.attempt,
-                index=self.next_index,
-                finish_reason=FinishReason.STOP_SEQUENCE,
-            )
-        )
+        self._end_here(FinishReason.STOP_SEQUENCE)
 
     def fail(self, message: str) -> None:
         """End the request with an error event of the gateway's own (no worker will answer it)."""
-        error = ErrorInfo(message=message, error_type="Incomplete Generation", status=500)
-        self._events.put_nowait(
-            TokenEvent(
-                request_id=self.request.request_id,
-                attempt=self.request.attempt,
-                index=self.next_index,
-                finish_reason=FinishReason.INVALID_FLAG,
-                error=error,
-            )
+        self._end_here(
+            FinishReason.INVALID_FLAG, ErrorInfo(message=message, error_type="Incomplete Generation", status=500)
         )
+
+    def _end_here(self, reason: FinishReason, error: ErrorInfo | None = None) -> None:
+        event = TokenEvent(
+            request_id=self.request.request_id,
+            attempt=self.request.attempt,
+            index=self.next_index,
+            finish_reason=reason,
+            error=error,
+        )
+        self._events.put_nowait(event)
 
     def _expired(self) -> TokenEvent:
         return TokenEvent(

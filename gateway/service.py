@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
-from bus.peers import PeerClock
+from bus.peers import PeerClock, send_own_heartbeat
 from bus.topics import control_topic, reply_topic, routing_topic
 from gateway.directory import WorkerDirectory
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError, not_found, unavailable
-from gateway.failover import Failover
+from gateway.failover import CHECK_EVERY_S, Failover
 from gateway.inflight import InFlight, InFlightRegistry
 from gateway.router import Router
 from schemas.messages import (
@@ -74,16 +74,6 @@ class GatewaySettings:
     route: bool = True  # pick each request's worker (router.py); False: the shared queue decides
 
 
-async def _rebuild(listener: Listener, echo: PeerClock) -> None:
-    """Replace a stuck listener's consumer; if the broker refuses now, the next heartbeat tries again."""
-    try:
-        await listener.rebuild()
-    except BusUnavailable as error:
-        log.warning("listener_not_rebuilt", error=str(error))
-        return
-    echo.consumer_rebuilt()
-
-
 class GatewayService:
     def __init__(self, bus: Bus, settings: GatewaySettings) -> None:
         self._bus = bus
@@ -120,6 +110,7 @@ class GatewayService:
             asyncio.create_task(self._dispatcher.run(), name="dispatch-held"),
             asyncio.create_task(self._measure_backlogs(), name="measure-backlogs"),
             asyncio.create_task(self._send_heartbeats(), name="heartbeats"),
+            asyncio.create_task(self._check_failovers(), name="check-failovers"),
         ]
         log.info("gateway_started", gateway_id=self.gateway_id, reply_topic=self._reply_topic)
 
@@ -176,7 +167,7 @@ class GatewayService:
         )
 
     async def _send_heartbeats(self) -> None:
-        """Tell workers this gateway still waits for its requests' tokens; check the listeners and the workers."""
+        """Tell workers this gateway still waits for its requests' tokens; check that its listeners still hear."""
         replies, control, _ = self._listeners
         watched = [
             (self._reply_topic, replies, self._reply_echo),
@@ -184,15 +175,14 @@ class GatewayService:
         ]
         while True:
             for topic, listener, echo in watched:
-                if await self._bus.publish_or_log(topic, self._heartbeat(), "heartbeat_not_published"):
-                    echo.own_published(time.monotonic())
-                else:
-                    echo.own_not_published()
-                if echo.stuck():
-                    log.warning("listener_stuck", topic=topic)
-                    await _rebuild(listener, echo)
-            self._failover.check()
+                await send_own_heartbeat(self._bus, topic, self._heartbeat(), listener, echo)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _check_failovers(self) -> None:
+        """Often: the sooner a dead worker is noticed, the sooner its streams go on elsewhere."""
+        while True:
+            self._failover.check()
+            await asyncio.sleep(CHECK_EVERY_S)
 
     async def _measure_backlogs(self) -> None:
         """The workers' consumer lag on each served model's priority topics, as a gauge."""

@@ -36,3 +36,17 @@ def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat
         assert chat[placement]["turns"] == 8 and 0 <= chat[placement]["prefix_hit_rate"] <= 1
     assert chat["router"]["prefix_hit_rate"] > 0  # the second turns find their first turns cached
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_priority_bench_measures_an_urgent_request_idle_and_behind_a_full_batch(kafka_bootstrap):
+    args = ["--simulate", "bundled-cpu", "--batch", "4", "--probes", "3", "--kafka-bootstrap", kafka_bootstrap]
+    run = subprocess.run(
+        [TOKENRELAY, "bench", "priority", *args, "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["background_streams"] == 8
+    assert result["idle_priority1_ttft_ms"] > 0 and result["loaded_priority1_ttft_ms"] > 0
+    ratio = result["loaded_priority1_ttft_ms"] / result["idle_priority1_ttft_ms"]
+    assert result["loaded_over_idle"] == pytest.approx(ratio, abs=0.02)
+    assert result["loaded_priority5_ttft_ms"] > 0

@@ -5,7 +5,7 @@
     tokenrelay worker    a model worker on Kafka
     tokenrelay simulate  many simulated workers in one process, on Kafka
     tokenrelay up        gateways and workers on one Kafka, on this machine
-    tokenrelay bench     benchmarks (engine, serve, chaos, scale, profile)
+    tokenrelay bench     benchmarks (engine, serve, chaos, scale, priority, profile)
 
 Every flag can also come from the environment: `--served-model-name` is
 `TOKENRELAY_SERVED_MODEL_NAME` (lists separated by commas). A flag given on
@@ -282,9 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     _option(up, "--gateway-args", default="", help="more flags for every gateway, as one string")
     _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
     bench = commands.add_parser(
-        "bench", help="benchmarks: `tokenrelay bench {engine,serve,chaos,scale,profile} --help`", add_help=False
+        "bench",
+        help="benchmarks: `tokenrelay bench {engine,serve,chaos,scale,priority,profile} --help`",
+        add_help=False,
     )
-    bench.add_argument("benchmark", choices=["engine", "serve", "chaos", "scale", "profile"])
+    bench.add_argument("benchmark", choices=["engine", "serve", "chaos", "scale", "priority", "profile"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     for sub in (serve, gateway, worker, simulate):
         _common_options(sub)

@@ -27,7 +27,7 @@ import structlog
 from prometheus_client import Counter
 
 from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, offer
-from bus.peers import PeerClock
+from bus.peers import PeerClock, send_own_heartbeat
 from bus.topics import control_topic, inbox_topic, request_topics, routing_topic, worker_group
 from schemas.messages import (
     CancelRequest,
@@ -114,6 +114,8 @@ class Worker:
         self._inbox_topic = inbox_topic(settings.topic_prefix, settings.worker_id)
         self._routing_topic = routing_topic(settings.topic_prefix)
         self._inbox_waiting: list[Delivery] = []  # read from the inbox, not started yet
+        # Only the stuck-consumer check of the inbox listener: no peers there.
+        self._inbox_echo = PeerClock(settings.heartbeat_interval_s, 0.0, _CONTROL_STUCK_S, 0.0)
         self._load = LoadReporter(
             bus,
             self._routing_topic,
@@ -212,7 +214,9 @@ class Worker:
     async def _read_inbox(self, inbox: Listener) -> None:
         """Requests routed here; started at once when there is room (else by the take loop, in turn)."""
         async for message in inbox:
-            if isinstance(message, GenerationRequest):
+            if isinstance(message, WorkerHeartbeat):  # its own, sent to check that the inbox still delivers
+                self._inbox_echo.own_heard(time.monotonic())
+            elif isinstance(message, GenerationRequest):
                 self._inbox_waiting.append(Delivery(message, _INBOX))
                 offer(self._inbox_waiting, self._take_on, self._config.aging_s)
                 self._load.changed()
@@ -310,6 +314,7 @@ class Worker:
                         finished = True
                         log.info(
                             "request_finished",
+                            worker_id=self._settings.worker_id,
                             request_id=event.request_id,
                             finish_reason=event.finish_reason,
                             generated_tokens=event.index + len(event.token_ids),
@@ -364,15 +369,6 @@ class Worker:
         # A gone gateway is remembered as long as its requests may still wait in a topic, to skip them.
         self._gateways.forget_old(now)
 
-    async def _rebuild_control(self, control: Listener) -> None:
-        """Replace the stuck control consumer; if the broker refuses now, the next heartbeat tries again."""
-        try:
-            await control.rebuild()
-        except BusUnavailable as error:
-            log.warning("control_consumer_not_rebuilt", error=str(error))
-            return
-        self._gateways.consumer_rebuilt()
-
     def _current_load(self) -> dict:
         by_priority = [0] * 5
         for taken in self._active.values():
@@ -403,14 +399,15 @@ class Worker:
         )
 
     async def _send_heartbeats(self) -> None:
+        """On the control topic, and on the inbox: each listener must hear its own worker's heartbeats."""
+        assert self._control is not None and self._inbox is not None
+        watched = [
+            (self._control_topic, self._control, self._gateways),
+            (self._inbox_topic, self._inbox, self._inbox_echo),
+        ]
         while True:
-            if await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published"):
-                self._gateways.own_published(time.monotonic())
-            else:
-                self._gateways.own_not_published()
-            if self._gateways.stuck() and self._control is not None:
-                log.warning("control_consumer_stuck", topic=self._control_topic)
-                await self._rebuild_control(self._control)
+            for topic, listener, echo in watched:
+                await send_own_heartbeat(self._bus, topic, self._heartbeat(), listener, echo)
             now = time.time()  # a cancel outlives its request's deadline in no one's interest
             self._cancelled = {r: c for r, c in self._cancelled.items() if c.deadline > now}
             self._drop_orphans()
