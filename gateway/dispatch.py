@@ -62,12 +62,7 @@ class Dispatcher:
 
         Raises what Bus.publish raises when it publishes now.
         """
-        outcome = await self._publish_routed(inflight, time.monotonic())
-        if outcome == _NO_WORKER:
-            topic = request_topic(self._topic_prefix, inflight.request.model, inflight.request.priority)
-            await self._bus.publish(topic, inflight.request)
-            log.info("request_queued", request_id=inflight.request.request_id, topic=topic)
-        elif outcome != _SENT:
+        if await self._send(inflight, time.monotonic()) != _SENT:
             self._held[inflight] = time.monotonic()
             HELD.labels(inflight.request.model).inc()
             log.info("request_held", request_id=inflight.request.request_id, held=len(self._held))
@@ -79,6 +74,16 @@ class Dispatcher:
             return False
         HELD.labels(inflight.request.model).dec()
         return True
+
+    async def _send(self, inflight: InFlight, held_since: float) -> str:
+        """Publish to a worker's inbox, or to the shared queue when no worker reports: _SENT, else why not."""
+        outcome = await self._publish_routed(inflight, held_since)
+        if outcome == _NO_WORKER:
+            topic = request_topic(self._topic_prefix, inflight.request.model, inflight.request.priority)
+            await self._bus.publish(topic, inflight.request)
+            log.info("request_queued", request_id=inflight.request.request_id, topic=topic)
+            return _SENT
+        return outcome
 
     async def _publish_routed(self, inflight: InFlight, held_since: float) -> str:
         """Publish to the inbox of the worker the router picks: _SENT, _NO_ROOM, _WAITING (for the worker that
@@ -124,8 +129,8 @@ class Dispatcher:
                 if inflight not in self._held:
                     continue  # ended meanwhile
                 try:
-                    outcome = await self._publish_routed(inflight, self._held[inflight])
-                except BusUnavailable as error:
+                    outcome = await self._send(inflight, self._held[inflight])
+                except (BusUnavailable, UnknownTopic) as error:
                     log.warning("held_request_not_published", request_id=inflight.request.request_id, error=str(error))
                     break
                 if outcome == _NO_ROOM:

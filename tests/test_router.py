@@ -163,3 +163,22 @@ async def test_a_held_request_that_ends_is_released_and_never_sent():
     held = InFlight(_request(request_id="gone"), "c")
     await dispatcher.dispatch(held)
     assert dispatcher.release(held) and not dispatcher.release(held)
+
+
+async def test_a_held_request_goes_to_the_shared_queue_once_no_worker_reports_any_more():
+    bus = InProcessBus()
+    await bus.create_topics({"inbox.a": 1, "t.m.p5": 1})
+    shared = await bus.listen("t.m.p5")
+    router = Router()
+    dispatcher = Dispatcher(bus, router, "t")
+    running = asyncio.create_task(dispatcher.run())
+    try:
+        router.observe(_load("a", running=4, waiting=1))
+        held = InFlight(_request(request_id="orphan"), "c")
+        await dispatcher.dispatch(held)
+        router.forget("a")  # it left
+        dispatcher.room_may_have_changed()
+        message = await asyncio.wait_for(anext(aiter(shared)), 2)
+        assert message.request_id == "orphan" and not dispatcher.release(held)
+    finally:
+        running.cancel()
