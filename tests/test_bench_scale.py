@@ -14,7 +14,8 @@ pytestmark = pytest.mark.kafka
 
 def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat(kafka_bootstrap, tmp_path):
     plot = tmp_path / "scale.png"
-    quick = ["--duration", "3", "--warmup", "1", "--conversations", "4", "--turns", "2", "--chat-workers", "2"]
+    quick = ["--duration", "2", "--warmup", "0.5", "--gateways", "1", "--slowdown", "1"]
+    quick += ["--conversations", "4", "--turns", "2", "--chat-workers", "2"]
     run = subprocess.run(
         [TOKENRELAY, "bench", "scale", "--workers", "1", "2", *quick, "--kafka-bootstrap", kafka_bootstrap]
         + ["--json", "--plot", str(plot)],
@@ -29,7 +30,7 @@ def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat
     for row in (one, two):
         assert row["failed"] == 0 and row["token_throughput"] > 0, row
         assert row["streams"] == 6 * row["workers"]  # 1.5 per batch slot of 4
-        assert 0 <= row["idle_while_waiting"] <= 1 and len(row["gateway_tokens_per_s"]) == 2
+        assert 0 <= row["idle_while_waiting"] <= 1 and len(row["gateway_tokens_per_s"]) == 1
     assert two["efficiency"] == round(two["token_throughput"] / (2 * one["token_throughput"]), 3)
     chat = report["chat"]
     for placement in ("router", "shared_queue", "one_worker"):
@@ -39,7 +40,8 @@ def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat
 
 
 def test_the_priority_bench_measures_an_urgent_request_idle_and_behind_a_full_batch(kafka_bootstrap):
-    args = ["--simulate", "bundled-cpu", "--batch", "4", "--probes", "3", "--kafka-bootstrap", kafka_bootstrap]
+    args = ["--simulate", "bundled-cpu", "--batch", "4", "--probes", "3", "--settle", "1"]
+    args += ["--kafka-bootstrap", kafka_bootstrap]
     run = subprocess.run(
         [TOKENRELAY, "bench", "priority", *args, "--json"], capture_output=True, text=True, timeout=300
     )

@@ -55,7 +55,7 @@ async def test_a_next_turn_lands_on_the_worker_holding_the_conversation_and_a_re
             assert _routed_to(gateway, follow_up["id"]) == worker
 
         # One worker busy with a long request: the next one goes to the free worker and ends first.
-        long = asyncio.create_task(_generate(client, base, "Tell a long story.", 400))
+        long = asyncio.create_task(_generate(client, base, "The following example", 400))  # 400 greedy tokens
         while not gateway.events_named("request_routed")[4:]:
             await asyncio.sleep(0.05)
         short = await _generate(client, base, "A short question?", 4)

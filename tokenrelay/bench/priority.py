@@ -37,7 +37,7 @@ async def first_token_s(client: httpx.AsyncClient, base: str, priority: int, tok
     return (first or time.perf_counter()) - sent
 
 
-async def measure(base: str, probes: int, streams: int) -> dict:
+async def measure(base: str, probes: int, streams: int, settle_s: float) -> dict:
     client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
     question = "The most urgent question is"
     idle = [await first_token_s(client, base, 1, 8, question) for _ in range(probes)]
@@ -49,7 +49,7 @@ async def measure(base: str, probes: int, streams: int) -> dict:
             background.append(await first_token_s(client, base, 5, 200, f"Background story number {index}:"))
 
     tasks = [asyncio.create_task(busy(i)) for i in range(streams)]
-    await asyncio.sleep(5)  # every slot taken, and a queue behind them
+    await asyncio.sleep(settle_s)  # every slot taken, and a queue behind them
     loaded = [await first_token_s(client, base, 1, 8, question) for _ in range(probes)]
     stop.set()
     await asyncio.gather(*tasks)
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--simulate", default="", help="a simulation profile instead of the bundled model")
     parser.add_argument("--batch", type=int, default=64, help="the worker's --max-batch-size")
     parser.add_argument("--probes", type=int, default=10, help="priority-1 requests, idle and loaded")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds of background load before the probes")
     parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker from deploy/kafka/")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = parser.parse_args(argv)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
                 base = f"http://127.0.0.1:{port}"
                 wait_ready(base, MODEL, processes)
                 time.sleep(1.5)  # the worker's first load report
-                result = asyncio.run(measure(base, args.probes, 2 * args.batch))
+                result = asyncio.run(measure(base, args.probes, 2 * args.batch, args.settle))
     print(
         f"priority-1 TTFT p50: idle {result['idle_priority1_ttft_ms']} ms, under {result['background_streams']} "
         f"priority-5 streams {result['loaded_priority1_ttft_ms']} ms ({result['loaded_over_idle']}x); "
