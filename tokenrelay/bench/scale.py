@@ -42,10 +42,9 @@ import httpx
 from bus.kafka import KafkaBus, KafkaSettings
 from bus.topics import routing_topic
 from schemas.messages import WorkerLoad
-from tokenrelay.bench.serve import Outcome, Request, percentiles, sse
-from tokenrelay.bench.serve import _one as one_stream
+from tokenrelay.bench.serve import Outcome, Request, one_stream, percentiles, sse
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
-from workers.simulated.profile import Profile
+from workers.simulated.profile import Profile, StepCost
 
 MODEL = "sim"
 _WORDS = [f"{a}{b}{c}" for a in "bcdfgklmnprst" for b in "aeiou" for c in "lmnrst"]
@@ -110,6 +109,11 @@ class FleetWatch:
         return sum(load.prompt_tokens for load in loads), sum(load.cached_prompt_tokens for load in loads)
 
 
+def _rss_mib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) // 1024
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
@@ -118,8 +122,9 @@ def _cpu_seconds(pid: int) -> float:
 @contextmanager
 def fleet(
     args: argparse.Namespace, bootstrap: str, profile_path: Path, logs: Path, workers: int, batch: int, route: bool
-) -> Iterator[tuple[list[str], list[int]]]:
-    """N simulated workers and the gateways on fresh topics; yields the gateways' base URLs and pids once ready."""
+) -> Iterator[tuple[list[str], list[int], str]]:
+    """N simulated workers and the gateways on fresh topics, once ready: the gateways' base URLs, the pids
+    (the simulating process's first) and the topic prefix."""
     kafka = [
         "--kafka-bootstrap",
         bootstrap,
@@ -136,7 +141,7 @@ def fleet(
         bases = [f"http://127.0.0.1:{p}" for p in ports]
         for base in bases:
             wait_ready(base, MODEL, processes)
-        yield bases, [p.pid for p in processes[1:]], kafka[3]
+        yield bases, [p.pid for p in processes], kafka[3]
 
 
 async def _watching(bootstrap: str, prefix: str, bases: list[str], workers: int):
@@ -182,12 +187,14 @@ async def saturate(args: argparse.Namespace, bootstrap: str, prefix: str, bases:
 
     clients = [asyncio.create_task(stream(i)) for i in range(streams)]
     await asyncio.sleep(args.warmup)
-    cpu_before = [_cpu_seconds(pid) for pid in pids]
+    simulating, gateway_pids = pids[0], pids[1:]
+    cpu_before = [_cpu_seconds(pid) for pid in gateway_pids]
     prompt_before = watch.cache_totals()
     watch.measuring = True
     await asyncio.sleep(args.duration)
     watch.measuring = False
-    cpu = [_cpu_seconds(pid) - before for pid, before in zip(pids, cpu_before, strict=True)]
+    cpu = [_cpu_seconds(pid) - before for pid, before in zip(gateway_pids, cpu_before, strict=True)]
+    workers_rss = _rss_mib(simulating)
     prompt_after = watch.cache_totals()
     await asyncio.gather(*clients)
     await client.aclose()
@@ -209,6 +216,7 @@ async def saturate(args: argparse.Namespace, bootstrap: str, prefix: str, bases:
         "prefix_hit_rate": round(cached / max(prompt, 1), 3),
         "gateway_tokens_per_s": [round(t / args.duration, 1) for t in tokens_by_gateway],
         "gateway_cpu": [round(c / args.duration, 2) for c in cpu],  # cores busy
+        "simulated_workers_rss_mib": workers_rss,
     }
 
 
@@ -259,13 +267,14 @@ async def converse(args: argparse.Namespace, bootstrap: str, prefix: str, bases:
     }
 
 
-def _print_scale(row: dict, single: float) -> None:
+def _print_scale(row: dict) -> None:
     ttft = row["ttft_ms"]
     print(
         f"N={row['workers']:3d}  {row['token_throughput']:8.1f} tok/s  efficiency {row['efficiency']:5.2f}  "
         f"TTFT p50/p99 {ttft['p50']:.0f}/{ttft['p99']:.0f} ms  idle-while-waiting {row['idle_while_waiting']:.2%}  "
         f"prefix hits {row['prefix_hit_rate']:.1%}  failed {row['failed']}  "
-        f"gateways tok/s {row['gateway_tokens_per_s']} cores {row['gateway_cpu']}",
+        f"gateways tok/s {row['gateway_tokens_per_s']} cores {row['gateway_cpu']}  "
+        f"workers' RSS {row['simulated_workers_rss_mib']} MiB",
         flush=True,
     )
 
@@ -319,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base = Profile.load(args.profile)
     slowed = {k: v * args.slowdown for k, v in dataclasses.asdict(base.step).items()}
-    profile = dataclasses.replace(base, step=type(base.step)(**slowed), kv_cache_tokens=args.kv_tokens)
+    profile = dataclasses.replace(base, step=StepCost(**slowed), kv_cache_tokens=args.kv_tokens)
     shown = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "log_dir")}
     report: dict = {"settings": shown, "scale": []}
     with tempfile.TemporaryDirectory(prefix="tokenrelay-scale-") as scratch:
@@ -338,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
                     row["token_throughput"] / (workers * single["token_throughput"] / single["workers"]), 3
                 )
                 report["scale"].append(row)
-                _print_scale(row, single["token_throughput"])
+                _print_scale(row)
             if args.chat_workers:
                 report["chat"] = _chat(args, bootstrap, profile, logs)
     if args.plot:

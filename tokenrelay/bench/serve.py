@@ -109,7 +109,7 @@ async def _events(endpoint: str, client: httpx.AsyncClient, base: str, model: st
                 yield data.get("details", {}).get("generated_tokens"), data.get("error")
 
 
-async def _one(endpoint: str, client: httpx.AsyncClient, base: str, model: str, request: Request) -> Outcome:
+async def one_stream(endpoint: str, client: httpx.AsyncClient, base: str, model: str, request: Request) -> Outcome:
     outcome = Outcome(sent_at=time.perf_counter())
     try:
         async for generated, error in _events(endpoint, client, base, model, request):
@@ -133,7 +133,7 @@ async def run_load(
 
     async def limited(request: Request) -> Outcome:
         async with limit:
-            return await _one(endpoint, client, base, model, request)
+            return await one_stream(endpoint, client, base, model, request)
 
     started = time.perf_counter()
     tasks = []
