@@ -40,7 +40,7 @@ def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat
 
 
 def test_the_priority_bench_measures_an_urgent_request_idle_and_behind_a_full_batch(kafka_bootstrap):
-    args = ["--simulate", "bundled-cpu", "--batch", "4", "--probes", "3", "--settle", "1"]
+    args = ["--simulate", "bundled-cpu", "--batch", "4", "--probes", "2", "--settle", "0.5"]
     args += ["--kafka-bootstrap", kafka_bootstrap]
     run = subprocess.run(
         [TOKENRELAY, "bench", "priority", *args, "--json"], capture_output=True, text=True, timeout=300
