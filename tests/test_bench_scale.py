@@ -14,7 +14,7 @@ pytestmark = pytest.mark.kafka
 
 def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat(kafka_bootstrap, tmp_path):
     plot = tmp_path / "scale.png"
-    quick = ["--duration", "2", "--warmup", "0.5", "--gateways", "1", "--slowdown", "1"]
+    quick = ["--duration", "2", "--warmup", "0.5", "--gateways", "1", "--slowdown", "1", "--chat-slowdown", "1"]
     quick += ["--conversations", "4", "--turns", "2", "--chat-workers", "2"]
     run = subprocess.run(
         [TOKENRELAY, "bench", "scale", "--workers", "1", "2", *quick, "--kafka-bootstrap", kafka_bootstrap]

@@ -16,9 +16,12 @@ the router, placed by the shared request topics alone (gateways with
 `--no-router`, the placement before the router), and on one worker with the
 same total cache and batch: prefix-cache hit rate and TTFT of each.
 
-The profile's step times are multiplied by `--slowdown` so that the fleet's
-tokens fit through one machine's gateways and clients; efficiency is a
-ratio, and a uniform slowdown leaves it as it is.
+The profile's step times are multiplied by `--slowdown` (the chat's by
+`--chat-slowdown`) so that the fleet's tokens fit through one machine's
+broker, gateways and clients (here: about 1,300 tokens/s in all, streamed);
+efficiency is a ratio, and a uniform slowdown leaves it as it is. The CPU
+cores each process used are printed, to tell a dispatch limit from the
+machine's.
 """
 
 from __future__ import annotations
@@ -187,14 +190,15 @@ async def saturate(args: argparse.Namespace, bootstrap: str, prefix: str, bases:
 
     clients = [asyncio.create_task(stream(i)) for i in range(streams)]
     await asyncio.sleep(args.warmup)
-    simulating, gateway_pids = pids[0], pids[1:]
-    cpu_before = [_cpu_seconds(pid) for pid in gateway_pids]
+    cpu_before = [_cpu_seconds(pid) for pid in pids]
+    own_before = time.process_time()
     prompt_before = watch.cache_totals()
     watch.measuring = True
     await asyncio.sleep(args.duration)
     watch.measuring = False
-    cpu = [_cpu_seconds(pid) - before for pid, before in zip(gateway_pids, cpu_before, strict=True)]
-    workers_rss = _rss_mib(simulating)
+    cores = [(_cpu_seconds(pid) - before) / args.duration for pid, before in zip(pids, cpu_before, strict=True)]
+    client_cores = (time.process_time() - own_before) / args.duration
+    workers_rss = _rss_mib(pids[0])
     prompt_after = watch.cache_totals()
     await asyncio.gather(*clients)
     await client.aclose()
@@ -215,7 +219,10 @@ async def saturate(args: argparse.Namespace, bootstrap: str, prefix: str, bases:
         "idle_while_waiting": round(watch.idle_s / max(watch.worker_s, 1e-9), 4),
         "prefix_hit_rate": round(cached / max(prompt, 1), 3),
         "gateway_tokens_per_s": [round(t / args.duration, 1) for t in tokens_by_gateway],
-        "gateway_cpu": [round(c / args.duration, 2) for c in cpu],  # cores busy
+        # Cores busy: where the machine's time goes.
+        "gateway_cores": [round(c, 2) for c in cores[1:]],
+        "simulated_workers_cores": round(cores[0], 2),
+        "client_cores": round(client_cores, 2),
         "simulated_workers_rss_mib": workers_rss,
     }
 
@@ -273,7 +280,8 @@ def _print_scale(row: dict) -> None:
         f"N={row['workers']:3d}  {row['token_throughput']:8.1f} tok/s  efficiency {row['efficiency']:5.2f}  "
         f"TTFT p50/p99 {ttft['p50']:.0f}/{ttft['p99']:.0f} ms  idle-while-waiting {row['idle_while_waiting']:.2%}  "
         f"prefix hits {row['prefix_hit_rate']:.1%}  failed {row['failed']}  "
-        f"gateways tok/s {row['gateway_tokens_per_s']} cores {row['gateway_cpu']}  "
+        f"gateways tok/s {row['gateway_tokens_per_s']}  cores: gateways {row['gateway_cores']} "
+        f"workers {row['simulated_workers_cores']} clients {row['client_cores']}  "
         f"workers' RSS {row['simulated_workers_rss_mib']} MiB",
         flush=True,
     )
@@ -306,11 +314,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16, 32, 64])
     parser.add_argument("--gateways", type=int, default=2)
     parser.add_argument("--profile", default="bundled-cpu", help="a simulation profile: a name or a JSON file")
-    parser.add_argument("--slowdown", type=float, default=10.0, help="multiplies the profile's step times")
+    parser.add_argument("--slowdown", type=float, default=60.0, help="multiplies the profile's step times")
+    parser.add_argument("--chat-slowdown", type=float, default=10.0, help="the same, for the chat load")
     parser.add_argument("--max-batch-size", type=int, default=4, help="of every simulated worker")
     parser.add_argument("--kv-tokens", type=int, default=12288, help="KV cache of every simulated worker, in tokens")
-    parser.add_argument("--duration", type=float, default=15.0, help="seconds measured per worker count")
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before measuring")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds measured per worker count")
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of load before measuring")
     parser.add_argument("--prompt-bytes", type=int, default=400)
     parser.add_argument("--output-lens", type=int, nargs=2, default=(16, 48), metavar=("MIN", "MAX"))
     parser.add_argument("--chat-workers", type=int, default=8, help="0: no chat load")
@@ -327,15 +336,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     base = Profile.load(args.profile)
-    slowed = {k: v * args.slowdown for k, v in dataclasses.asdict(base.step).items()}
-    profile = dataclasses.replace(base, step=StepCost(**slowed), kv_cache_tokens=args.kv_tokens)
     shown = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "log_dir")}
     report: dict = {"settings": shown, "scale": []}
     with tempfile.TemporaryDirectory(prefix="tokenrelay-scale-") as scratch:
         logs = Path(args.log_dir or scratch)
         logs.mkdir(parents=True, exist_ok=True)
-        profile_path = logs / "profile.json"
-        profile.dump(profile_path)
+        profile_path = _slowed(base, args.slowdown, args.kv_tokens, logs / "profile.json")
         broker = nullcontext(args.kafka_bootstrap) if args.kafka_bootstrap else local_broker(logs / "kafka")
         with broker as bootstrap:
             print(f"profile {base.name} x{args.slowdown} slower, batch {args.max_batch_size}, {args.gateways} gateways")
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
                 report["scale"].append(row)
                 _print_scale(row)
             if args.chat_workers:
-                report["chat"] = _chat(args, bootstrap, profile, logs)
+                report["chat"] = _chat(args, bootstrap, base, logs)
     if args.plot:
         _plot(report["scale"], args.plot)
         print(f"plot written to {args.plot}")
@@ -357,14 +363,20 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report), flush=True)
 
 
+def _slowed(profile: Profile, slowdown: float, kv_tokens: int, path: Path) -> Path:
+    """`profile` with its step times multiplied and its cache set, written to `path`."""
+    slowed = {k: v * slowdown for k, v in dataclasses.asdict(profile.step).items()}
+    dataclasses.replace(profile, step=StepCost(**slowed), kv_cache_tokens=kv_tokens).dump(path)
+    return path
+
+
 def _chat(args: argparse.Namespace, bootstrap: str, profile: Profile, logs: Path) -> dict:
     n = args.chat_workers
-    merged = dataclasses.replace(profile, kv_cache_tokens=profile.kv_cache_tokens * n)
-    merged_path = logs / "one-big-worker.json"
-    merged.dump(merged_path)
+    each_path = _slowed(profile, args.chat_slowdown, args.kv_tokens, logs / "chat.json")
+    merged_path = _slowed(profile, args.chat_slowdown, args.kv_tokens * n, logs / "one-big-worker.json")
     placements = {
-        "router": (logs / "profile.json", n, args.max_batch_size, True),
-        "shared_queue": (logs / "profile.json", n, args.max_batch_size, False),
+        "router": (each_path, n, args.max_batch_size, True),
+        "shared_queue": (each_path, n, args.max_batch_size, False),
         "one_worker": (merged_path, 1, args.max_batch_size * n, True),
     }
     results = {}
