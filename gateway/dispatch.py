@@ -26,7 +26,6 @@ import structlog
 from prometheus_client import Gauge
 
 from bus.base import Bus, BusUnavailable, UnknownTopic
-from bus.prefixes import prefix_hashes
 from bus.topics import request_topic
 from gateway.inflight import InFlight
 from gateway.router import Router
@@ -91,9 +90,8 @@ class Dispatcher:
         request = inflight.request
         if self._router is None or not self._router.knows(request.model):
             return _NO_WORKER
-        hashes = prefix_hashes(request)
         while (
-            route := self._router.choose(request.model, request.priority, hashes, inflight.broke_off_on)
+            route := self._router.choose(request.model, request.priority, inflight.prefix_hashes, inflight.broke_off_on)
         ) is not None:
             if time.monotonic() - held_since < route.worth_waiting_s:
                 return _WAITING

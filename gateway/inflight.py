@@ -11,10 +11,12 @@ runs each request, from its events and from the workers' heartbeats.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from bus.prefixes import prefix_hashes
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenEvents, WorkerHeartbeat
 from tokenrelay.metrics import RequestTimer, metrics_of
 
@@ -39,6 +41,11 @@ class InFlight:
         self.broke_off_on: str | None = None  # the worker of the previous attempt: a failover avoids it
         self.unlisted = 0  # heartbeats in a row of that worker that did not list it
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    @functools.cached_property
+    def prefix_hashes(self) -> list[int]:
+        """The names of its prompt's prefixes (bus/prefixes.py), the same for every attempt: computed once."""
+        return prefix_hashes(self.request)
 
     def deliver(self, event: TokenEvent, worker_id: str) -> None:
         self.worker_id = worker_id

@@ -12,10 +12,10 @@ plus the tokens its running requests keep in cache. The weight is higher
 than Dynamo's 1, from what a step costs (workers/simulated/profile.py): a
 prompt token to compute costs as much as a cached token attended to by
 every step of a few hundred output tokens, and the room check already
-keeps a worker that holds a popular prefix from taking more than it can run. With no
-worker that has room, the request waits in the gateway (dispatch.py). A
-route is a hint: a stale one costs latency, never a request, since whatever
-a worker holds is failed over if it dies.
+keeps a worker that holds a popular prefix from taking more than it can
+run. With no worker that has room, the request waits in the gateway
+(dispatch.py). A route is a hint: a stale one costs latency, never a
+request, since whatever a worker holds is failed over if it dies.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ class _WorkerView:
     routed: int = 0  # requests this gateway routed to it since its last report
 
     def room(self, priority: int) -> int:
-        free = self.load.capacity - self.load.running - self.load.waiting - self.routed
-        if free + read_ahead(self.load.capacity) > 0:
-            return free + read_ahead(self.load.capacity)
+        free = self.load.capacity + read_ahead(self.load.capacity) - self.load.running - self.load.waiting - self.routed
+        if free > 0:
+            return free
         return sum(self.load.running_by_priority[priority:])  # running ones it would preempt
 
     def cached_tokens(self, hashes: list[int]) -> int:
