@@ -144,6 +144,23 @@ def _compute_partially(blocks: BlockManager, sequence: Sequence, tokens: int) ->
     blocks.computed(sequence, sequence.num_cached_tokens + tokens)
 
 
+def test_a_prompt_more_urgent_than_every_decoding_sequence_gets_a_step_of_its_own():
+    scheduler, blocks = _scheduler(max_batch=4, budget=100)
+    decoding = _sequence(list(range(5)), priority=3, name="decoding")
+    scheduler.add(decoding)
+    scheduler.schedule()
+    _compute(blocks, decoding)
+    decoding.generated.append(7)
+    for name, priority, first in (("background", 5, 100), ("urgent", 2, 200)):
+        scheduler.add(_sequence(list(range(first, first + 20)), priority=priority, name=name))
+    [alone] = scheduler.schedule()
+    assert alone.sequence.request_id == "urgent" and alone.num_tokens == 20 and alone.samples
+    _compute(blocks, alone.sequence)
+    alone.sequence.generated.append(7)  # decoding now: the steps mix again
+    chunks = {c.sequence.request_id: c.num_tokens for c in scheduler.schedule()}
+    assert chunks == {"decoding": 1, "urgent": 1, "background": 20}
+
+
 def test_an_urgent_request_preempts_the_least_urgent_when_memory_is_short():
     scheduler, blocks = _scheduler(max_batch=4, num_blocks=4)
     background = _sequence(list(range(11)), priority=5, name="background")  # 3 of the 4 blocks

@@ -12,7 +12,8 @@ Between steps the scheduler
   waits to be recomputed, seeing only a pause;
 - spends a token budget per step: one token for each decoding sequence, the
   rest on prompt chunks, so that a long prompt does not stall everyone's
-  decoding.
+  decoding; except that the prompts of a priority above every decoding
+  sequence's take a step alone, so that their first token comes sooner.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class Scheduler:
         chunks: list[Chunk] = []
         # Decoding sequences first (one token each), then prompt chunks; the most urgent first within each.
         order = sorted(
-            self.running,
-            key=lambda s: (s.num_tokens - s.num_cached_tokens > 1, s.priority, s.received_at),
+            self._urgent_prompts() or self.running,
+            key=lambda s: (not _decodes(s), s.priority, s.received_at),
         )
         for sequence in order:
             if sequence.status is not Status.RUNNING or budget == 0:
@@ -121,6 +122,20 @@ class Scheduler:
             chunks.append(Chunk(sequence, num_tokens))
             budget -= num_tokens
         return [c for c in chunks if c.sequence.status is Status.RUNNING]
+
+    def _urgent_prompts(self) -> list[Sequence]:
+        """The prompts of a priority above every decoding sequence's, if any: they get a step of their own.
+
+        Their first token then waits for a step of their prompt alone, not for a
+        whole batch's decoding as well; the others' next token waits one short
+        step. Once these decode too, steps mix again.
+        """
+        prompts = [s for s in self.running if not _decodes(s)]
+        decoding = [s.priority for s in self.running if _decodes(s)]
+        if not prompts or not decoding:
+            return []
+        most_urgent = min(s.priority for s in prompts)
+        return [s for s in prompts if s.priority == most_urgent] if most_urgent < min(decoding) else []
 
     def _admit(self, now: float) -> None:
         self.waiting.sort(key=lambda s: (self._urgency(s, now), s.received_at))
@@ -141,3 +156,8 @@ class Scheduler:
                 candidate.admitted_at = now
                 self.prompt_tokens += len(candidate.prompt_ids)
                 self.cached_prompt_tokens += min(candidate.num_cached_tokens, len(candidate.prompt_ids))
+
+
+def _decodes(sequence: Sequence) -> bool:
+    """Whether only its last token lacks KV: its step computes one token (else a prompt, or a recomputation)."""
+    return sequence.num_tokens - sequence.num_cached_tokens <= 1
