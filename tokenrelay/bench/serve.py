@@ -9,10 +9,11 @@ token, time per output token, inter-token latency and end-to-end latency at
 p50/p90/p99, request and output token throughput.
 
 Against a running server (`--url`), or against topologies it starts itself
-one after the other (`--topology serve kafka`: `tokenrelay serve`, then a
-gateway and a worker on Kafka, on `--kafka-bootstrap` or on a local broker
-from deploy/kafka/), in which case it also prints the Kafka topology's token
-throughput over the in-process one and the latency the Kafka hop adds.
+side by side and loads in turn, `--rounds` times (`--topology serve kafka`:
+`tokenrelay serve`, and a gateway and a worker on Kafka, on
+`--kafka-bootstrap` or on a local broker from deploy/kafka/), in which case it
+also prints the Kafka topology's token throughput over the in-process one and
+the latency the Kafka hop adds.
 `--json` prints everything as one JSON object on the last line.
 """
 
@@ -27,7 +28,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +128,13 @@ async def run_load(
     base: str, model: str, endpoint: str, requests: list[Request], concurrency: int, rate: float, seed: int
 ) -> dict:
     """Send the workload; the measured figures."""
+    return summarize(*await send_load(base, model, endpoint, requests, concurrency, rate, seed))
+
+
+async def send_load(
+    base: str, model: str, endpoint: str, requests: list[Request], concurrency: int, rate: float, seed: int
+) -> tuple[list[Outcome], float]:
+    """Send the workload; each request's outcome, and the seconds it all took."""
     limit = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
     client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
@@ -145,7 +153,7 @@ async def run_load(
         outcomes = await asyncio.gather(*tasks)
     finally:
         await client.aclose()
-    return summarize(outcomes, time.perf_counter() - started)
+    return outcomes, time.perf_counter() - started
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -244,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-lens", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     parser.add_argument("--output-lens", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="with --topology: each sends the workload once, in turn")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = parser.parse_args(argv)
     if bool(args.url) == bool(args.topology):
@@ -263,14 +272,26 @@ def main(argv: list[str] | None = None) -> None:
         results["server"] = asyncio.run(run_load(args.url, **load))
         _print_table("server", results["server"])
     else:
-        with tempfile.TemporaryDirectory(prefix="tokenrelay-bench-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="tokenrelay-bench-") as scratch, ExitStack() as running:
             logs = Path(scratch)
-            with _bootstrap(args, logs) as bootstrap:
-                for name in args.topology:
-                    with topology(name, logs, args.worker_args.split(), bootstrap, args.model) as base:
-                        asyncio.run(run_load(base, **{**load, "requests": requests[:4]}))  # warm up
-                        results[name] = asyncio.run(run_load(base, **load))
-                    _print_table(name, results[name])
+            bootstrap = running.enter_context(_bootstrap(args, logs))
+            worker_args = args.worker_args.split()
+            bases = {
+                name: running.enter_context(topology(name, logs, worker_args, bootstrap, args.model))
+                for name in dict.fromkeys(args.topology)
+            }
+            for base in bases.values():
+                asyncio.run(run_load(base, **{**load, "requests": requests[:4]}))  # warm up
+            sent: dict[str, tuple[list[Outcome], float]] = {name: ([], 0.0) for name in bases}
+            # Taking turns, round after round: a machine that slows down or speeds up meanwhile
+            # (a shared one does) weighs on every topology alike.
+            for _ in range(args.rounds):
+                for name, base in bases.items():
+                    outcomes, seconds = asyncio.run(send_load(base, **load))
+                    sent[name] = (sent[name][0] + outcomes, sent[name][1] + seconds)
+            for name, (outcomes, seconds) in sent.items():
+                results[name] = summarize(outcomes, seconds)
+                _print_table(name, results[name])
     report = {
         "workload": {key: value for key, value in vars(args).items() if key not in ("json", "url")},
         "results": results,
