@@ -330,6 +330,43 @@ def test_cancel_ends_the_request_within_a_step(harness):
     assert len(events) < 50
 
 
+def test_an_urgent_request_arriving_during_a_step_is_computed_within_it_with_the_tokens_it_has_alone(loaded, harness):
+    background_prompts = [PROMPTS[1], PROMPTS[3]] * 2
+    urgent_prompt = PROMPTS[2]
+    ids = [harness.submit(p, 30) for p in background_prompts]
+    batch = harness.collect(ids)
+    background_alone = [_tokens(batch[i]) for i in ids]
+    urgent_alone = _tokens(harness.collect([rid := harness.submit(urgent_prompt, 8, priority=1)])[rid])
+
+    # The urgent request arrives between the layers of the step after the background's first two.
+    arrived_after: list[int] = []  # events out before it arrived
+    urgent_id: list[str] = []
+
+    def arrive_during_step(layer, args) -> None:
+        if not arrived_after and harness.events.qsize() >= 2 * len(background_prompts):
+            arrived_after.append(harness.events.qsize())
+            urgent_id.append(harness.submit(urgent_prompt, 8, priority=1))
+
+    hook = loaded.model.model.layers[1].register_forward_pre_hook(arrive_during_step)
+    try:
+        ids = [harness.submit(p, 30) for p in background_prompts]
+        deadline = time.monotonic() + 120
+        while not urgent_id:
+            assert time.monotonic() < deadline, "no step came to the urgent request's arrival"
+            time.sleep(0.01)
+        order: list[TokenEvent] = []
+        while {e.request_id for e in order if e.finish_reason is not None} != {*ids, urgent_id[0]}:
+            order.append(harness.events.get(timeout=60))
+    finally:
+        hook.remove()
+    # Its first token comes out before the tokens of the step it arrived in.
+    first = order[arrived_after[0]]
+    assert (first.request_id, first.index) == (urgent_id[0], 0)
+    # Neither it nor the step it interrupted computed anything other than on their own.
+    assert _tokens([e for e in order if e.request_id == urgent_id[0]]) == urgent_alone
+    assert [_tokens([e for e in order if e.request_id == i]) for i in ids] == background_alone
+
+
 def test_max_iter_times_caps_max_new_tokens(harness_with):
     h = harness_with(max_iter_times=3)
     request_id = h.submit(LONG, 100)

@@ -7,6 +7,9 @@ them, and after each step hands out the step's events through `on_step`,
 which must not block. Each step: the scheduler picks chunks, the model runner
 computes them in one forward pass, the sampler draws a token for every
 sequence whose chunk reached its end, and finished sequences free their blocks.
+A request more urgent than every running one does not wait for the step
+in flight where the runner pauses between layers (on the CPU): its own
+step runs there, and its first token goes out at once.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class Runner(Protocol):
 
     def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> list[int]:
         """Compute the chunks; return the next token of each chunk in `drawing`."""
+
+    def yield_between_layers(self, callback: Callable[[], None]) -> None:
+        """Have `callback` called within steps, between layers, where the device allows it."""
 
 
 class Model(Protocol):
@@ -101,6 +107,9 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self.seconds_per_prompt_token = 0.0  # of the steps with prompt chunks, lately (a router weighs waits by it)
         self._inbox: queue.SimpleQueue[_Submit | _Cancel | object] = queue.SimpleQueue()
+        self._deferred: list[_Submit | _Cancel | object] = []  # read within a step, applied after it
+        self._yielded_s = 0.0  # spent within the current step on urgent requests' steps
+        self._runner.yield_between_layers(self._start_urgent)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     @property
@@ -164,8 +173,9 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            # Block only when there is nothing to compute.
-            commands = [] if self._sequences else [self._inbox.get()]
+            commands, self._deferred = self._deferred, []
+            if not commands and not self._sequences:  # block only when there is nothing to compute
+                commands.append(self._inbox.get())
             while not self._inbox.empty():
                 commands.append(self._inbox.get_nowait())
             events: list[TokenEvent] = []
@@ -270,6 +280,43 @@ class Engine:
 
     def _step(self) -> list[TokenEvent]:
         chunks = self._scheduler.schedule()
+        self._yielded_s = 0.0
+        started_at = time.monotonic()
+        events = self._compute(chunks)
+        prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        if prompt_tokens:
+            # Decoding rows ride along: an upper bound. The urgent requests' steps run within it are not its cost.
+            cost = (time.monotonic() - started_at - self._yielded_s) / prompt_tokens
+            self.seconds_per_prompt_token = (
+                0.8 * self.seconds_per_prompt_token + 0.2 * cost if self.seconds_per_prompt_token else cost
+            )
+        return events
+
+    def _start_urgent(self) -> None:
+        """Within a step, between two layers: start a request more urgent than every running one.
+
+        Its first token then waits for its own prompt's step, run here, rather
+        than for the rest of the step too. Whatever else came in waits for the
+        step's end.
+        """
+        while not self._inbox.empty():
+            command = self._inbox.get_nowait()
+            most_urgent_running = min((s.priority for s in self._scheduler.running), default=0)
+            if not isinstance(command, _Submit) or command.request.priority >= most_urgent_running:
+                self._deferred.append(command)
+                continue
+            started_at = time.monotonic()
+            events = self._apply(command)
+            sequence = self._sequences.get(command.request.request_id)
+            chunk = self._scheduler.start_beside(sequence) if sequence is not None and not events else None
+            if chunk is not None:
+                events = self._compute([chunk])
+            if events:
+                self._on_step(events)
+            self._yielded_s += time.monotonic() - started_at
+
+    def _compute(self, chunks: list[Chunk]) -> list[TokenEvent]:
+        """Run one step of these chunks; their events."""
         if not chunks:
             return []
         started_at = time.monotonic()
@@ -280,12 +327,6 @@ class Engine:
             log.exception("step_failed", requests=[c.sequence.request_id for c in chunks])
             failure = ErrorInfo(message=f"generation failed: {error}", error_type="Incomplete Generation", status=500)
             return [self._end(c.sequence, FinishReason.INVALID_FLAG, failure) for c in chunks]
-        prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
-        if prompt_tokens:
-            cost = (time.monotonic() - started_at) / prompt_tokens  # decoding rows ride along: an upper bound
-            self.seconds_per_prompt_token = (
-                0.8 * self.seconds_per_prompt_token + 0.2 * cost if self.seconds_per_prompt_token else cost
-            )
         for chunk in chunks:
             self._blocks.computed(chunk.sequence, chunk.sequence.num_cached_tokens + chunk.num_tokens)
         events = []

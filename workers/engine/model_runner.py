@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -115,6 +118,37 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None
         if graphs:
             self._graphs = self._capture(capture or cuda_graph_capture())
+        self._between_layers: Callable[[], None] | None = None
+        self._thread: int | None = None  # the engine thread's, once bound
+        if self._device.type == "cpu":
+            self._hook_layers()
+
+    def yield_between_layers(self, callback: Callable[[], None]) -> None:
+        """Call `callback` between the layers of every step, where a step runs layer by layer: on the CPU.
+        (On a GPU the layers' kernels are queued ahead and decode steps replay graphs: no step pauses there.)"""
+        self._between_layers = callback
+
+    def _hook_layers(self) -> None:
+        # The hooks hold the runner weakly and go with it: a model may outlive its runner (tests share one).
+        runner = weakref.ref(self)
+
+        def before_layer(layer: torch.nn.Module, args: tuple) -> None:
+            alive = runner()
+            if alive is not None:
+                alive._before_layer()
+
+        handles = [layer.register_forward_pre_hook(before_layer) for layer in self._model.model.layers]
+        weakref.finalize(self, lambda: [handle.remove() for handle in handles])
+
+    def _before_layer(self) -> None:
+        callback = self._between_layers
+        if callback is None or threading.get_ident() != self._thread:  # another runner's step, on its thread
+            return
+        self._between_layers = None  # not again within the steps it runs
+        try:
+            callback()
+        finally:
+            self._between_layers = callback
 
     def _allocate(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self._geometry.kv_heads, blocks, self.block_size, self._geometry.head_dim)  # see attention.py for why
@@ -140,6 +174,7 @@ class ModelRunner:
 
     def bind_thread(self) -> None:
         """Called first on the thread that steps the model."""
+        self._thread = threading.get_ident()
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)  # per thread: the kernels launch on the current device
 

@@ -148,14 +148,32 @@ class Scheduler:
                     self.waiting.insert(0, candidate)
                     return  # nothing less urgent to make room with: wait, and let nothing overtake
                 self._preempt(victim)
-            candidate.admitted_urgency = urgency
-            self._blocks.allocate(candidate)
-            candidate.status = Status.RUNNING
-            self.running.append(candidate)
-            if candidate.admitted_at is None:
-                candidate.admitted_at = now
-                self.prompt_tokens += len(candidate.prompt_ids)
-                self.cached_prompt_tokens += min(candidate.num_cached_tokens, len(candidate.prompt_ids))
+            self._start(candidate, urgency, now)
+
+    def start_beside(self, sequence: Sequence) -> Chunk | None:
+        """Start a waiting sequence while a step of others runs; its first chunk, or None if it must wait.
+
+        It takes free blocks only, and a slot beyond the batch size if need be
+        (until a running sequence ends): preempting one of the running step
+        would hand out blocks that step is writing.
+        """
+        if not self._blocks.can_allocate(sequence):
+            return None
+        now = time.monotonic()
+        self.waiting.remove(sequence)
+        self._start(sequence, self._urgency(sequence, now), now)
+        budget = max(self._config.max_tokens_per_step, self._config.max_batch_size)
+        return Chunk(sequence, min(sequence.num_tokens - sequence.num_cached_tokens, budget))
+
+    def _start(self, sequence: Sequence, urgency: float, now: float) -> None:
+        sequence.admitted_urgency = urgency
+        self._blocks.allocate(sequence)
+        sequence.status = Status.RUNNING
+        self.running.append(sequence)
+        if sequence.admitted_at is None:
+            sequence.admitted_at = now
+            self.prompt_tokens += len(sequence.prompt_ids)
+            self.cached_prompt_tokens += min(sequence.num_cached_tokens, len(sequence.prompt_ids))
 
 
 def _decodes(sequence: Sequence) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import string
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from workers.engine.config import EngineConfig
@@ -78,6 +79,9 @@ class SimulatedRunner:
 
     def bind_thread(self) -> None:
         """Nothing is bound to a thread here."""
+
+    def yield_between_layers(self, callback: Callable[[], None]) -> None:
+        """A simulated step is one wait, with no layers to pause between."""
 
     def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> list[int]:
         prompt = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
