@@ -118,8 +118,8 @@ class _Queueing(RouteParameters):
     timeout: Timeout = None
 
 
-class GenerateParameters(_Everywhere, _TypicalP, _BatchSize):
-    """/v2/models/{model}/generate (triton_generate.zh.txt)."""
+class GenerateParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing):
+    """/v2/models/{model}/generate (triton_generate.zh.txt; priority and timeout as its sibling routes have them)."""
 
     top_k: TopKOrOff = None
     top_p: TopP = None
@@ -127,10 +127,11 @@ class GenerateParameters(_Everywhere, _TypicalP, _BatchSize):
 
 
 class GenerateStreamParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing):
-    """/v2/models/{model}/generate_stream (triton_generate_stream.en.txt)."""
+    """/v2/models/{model}/generate_stream (triton_generate_stream.en.txt; perf_stat as generate has it)."""
 
     top_k: TopK = None
     top_p: TopP = None
+    perf_stat: PerfStat = None
     firstTokenCost: FirstTokenCost = None
     decodeTime: DecodeTime = None
 

@@ -46,7 +46,7 @@ TOP_K_FROM_ONE = [("top_k", 1, 0)]
 BATCH_SIZE = [("batch_size", 1, 0), ("batch_size", I32, I32 + 1)]
 PRIORITY_TIMEOUT = [("priority", 1, 0), ("priority", 5, 6), ("timeout", 1, 0), ("timeout", 3600, 3601)]
 PER_ROUTE = {
-    "generate": COMMON + TYPICAL_P + TOP_P_UP_TO_ONE + BATCH_SIZE + [("top_k", 0, -1)],
+    "generate": COMMON + TYPICAL_P + TOP_P_UP_TO_ONE + BATCH_SIZE + PRIORITY_TIMEOUT + [("top_k", 0, -1)],
     "generate_stream": COMMON
     + TYPICAL_P
     + TOP_P_UP_TO_ONE
@@ -112,7 +112,11 @@ def test_both_sides_of_a_parameter_bound(server, route, name, inside, outside):
         ("infer_token", {}, "one of input_id and inputs is required"),
         ("infer_token", {"input_id": [5], "stream": "yes"}, "stream"),
         ("infer", {"inputs": ""}, "inputs"),
-        ("generate", {"text_input": "x", "parameters": {"priority": 1}}, "parameters.priority is not a known field"),
+        (
+            "generate",
+            {"text_input": "x", "parameters": {"frequency_penalty": 0.5}},
+            "parameters.frequency_penalty is not a known field",
+        ),
         ("generate", {"text_input": "x", "temperature": 0.5}, "temperature is not a known field"),
         ("generate", {"text_input": "x", "parameters": {"max_new_tokens": 5.0}}, "parameters.max_new_tokens"),
         ("generate", {"text_input": "x", "parameters": {"do_sample": "true"}}, "parameters.do_sample"),

@@ -96,10 +96,10 @@ async def test_a_request_past_its_timeout_ends_with_the_documented_error_and_fre
         async with _client() as client:
             started = time.monotonic()
             # Both slots go to requests of 400 tokens (~10 s here) that may take 1 s.
+            limits = {"max_new_tokens": 400, "timeout": 1, "priority": 5}
             non_stream = asyncio.create_task(
                 client.post(
-                    gateway.url("/infer"),
-                    json={"inputs": LONG_PROMPT, "stream": False, "parameters": {"max_new_tokens": 400, "timeout": 1}},
+                    gateway.url(f"/v2/models/{MODEL}/generate"), json={"text_input": LONG_PROMPT, "parameters": limits}
                 )
             )
             timed_stream = asyncio.create_task(_Stream().run(client, stream_url, _body(400, timeout=1)))

@@ -17,11 +17,14 @@ def test_types_are_strict_and_null_means_not_given(body):
     assert parsed.parameters.seed is None and parsed.parameters.temperature == 1.0
 
 
-def test_each_route_accepts_only_its_own_parameters():
-    with pytest.raises(ValidationError, match="priority"):
-        GenerateRequest.model_validate({"text_input": "x", "parameters": {"priority": 1}})
-    with pytest.raises(ValidationError, match="perf_stat"):
-        GenerateStreamRequest.model_validate({"text_input": "x", "parameters": {"perf_stat": False}})
+def test_a_route_accepts_what_its_siblings_documents_list_and_nothing_no_document_lists():
+    generate = GenerateRequest.model_validate({"text_input": "x", "parameters": {"priority": 1, "timeout": 30}})
+    assert (generate.parameters.given("priority"), generate.parameters.given("timeout")) == (1, 30)
+    stream = GenerateStreamRequest.model_validate({"text_input": "x", "parameters": {"perf_stat": True}})
+    assert stream.parameters.given("perf_stat") is True
+    for body in (GenerateRequest, GenerateStreamRequest):
+        with pytest.raises(ValidationError, match="frequency_penalty"):
+            body.model_validate({"text_input": "x", "parameters": {"frequency_penalty": 0.5}})
 
 
 def test_id_and_text_input_limits():
