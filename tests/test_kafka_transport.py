@@ -132,7 +132,15 @@ async def test_a_client_that_leaves_costs_at_most_one_more_step_and_a_cancelled_
 ):
     metrics_port = free_port()
     worker_metrics = f"http://127.0.0.1:{metrics_port}"
-    worker_args = ("--max-batch-size", "1", "--metrics-address", f"127.0.0.1:{metrics_port}")
+    # --max-iter-times: the busy request must outlast the 2 s before its stopInfer, at a few ms a token.
+    worker_args = (
+        "--max-batch-size",
+        "1",
+        "--max-iter-times",
+        "2000",
+        "--metrics-address",
+        f"127.0.0.1:{metrics_port}",
+    )
     with on_kafka(tmp_path, kafka_bootstrap, worker_args=worker_args) as (gateway, worker):
         stream_url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
         async with _client() as client:
@@ -149,7 +157,7 @@ async def test_a_client_that_leaves_costs_at_most_one_more_step_and_a_cancelled_
             assert _metric(worker_metrics, "tokenrelay_worker_tokens_after_cancel_total", model=MODEL) <= 1
 
             # 2. The one slot is busy; a queued stream's client leaves before its first token.
-            busy = asyncio.create_task(_Stream().run(client, stream_url, {**_body(400), "id": "busy"}))
+            busy = asyncio.create_task(_Stream().run(client, stream_url, {**_body(2000), "id": "busy"}))
             await _wait_for(lambda: _admitted(worker) == 2, 10, "the busy request to start")
             queued = asyncio.create_task(_Stream().run(client, stream_url, _body(400)))
             await asyncio.sleep(1.0)
@@ -159,7 +167,7 @@ async def test_a_client_that_leaves_costs_at_most_one_more_step_and_a_cancelled_
             stopped = await client.post(gateway.url(f"/v2/models/{MODEL}/stopInfer"), json={"id": "busy"})
             assert stopped.status_code == 200
             busy_stream = await busy
-            assert busy_stream.status == 200 and 0 < len(busy_stream.events) < 400  # stopped early
+            assert busy_stream.status == 200 and 0 < len(busy_stream.events) < 2000  # stopped early
             await _wait_for(lambda: worker.events_named("request_skipped"), 10, "the cancelled request to be skipped")
     [skipped] = worker.events_named("request_skipped")
     assert skipped["reason"] == "client gone"  # the reason of the cancel that was waiting for it
