@@ -301,8 +301,7 @@ class Engine:
         """
         while not self._inbox.empty():
             command = self._inbox.get_nowait()
-            most_urgent_running = min((s.priority for s in self._scheduler.running), default=0)
-            if not isinstance(command, _Submit) or command.request.priority >= most_urgent_running:
+            if not isinstance(command, _Submit) or not self._scheduler.outranks_running(command.request.priority):
                 self._deferred.append(command)
                 continue
             started_at = time.monotonic()

@@ -100,7 +100,7 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         now = time.monotonic()
         self._admit(now)
-        budget = max(self._config.max_tokens_per_step, self._config.max_batch_size)
+        budget = self._step_budget
         chunks: list[Chunk] = []
         # Decoding sequences first (one token each), then prompt chunks; the most urgent first within each.
         order = sorted(
@@ -122,6 +122,15 @@ class Scheduler:
             chunks.append(Chunk(sequence, num_tokens))
             budget -= num_tokens
         return [c for c in chunks if c.sequence.status is Status.RUNNING]
+
+    @property
+    def _step_budget(self) -> int:
+        """Tokens a step computes at most: never fewer than a full batch's decodes."""
+        return max(self._config.max_tokens_per_step, self._config.max_batch_size)
+
+    def outranks_running(self, priority: int) -> bool:
+        """Whether a request of this priority is more urgent than every running sequence."""
+        return bool(self.running) and priority < min(s.priority for s in self.running)
 
     def _urgent_prompts(self) -> list[Sequence]:
         """The prompts of a priority above every decoding sequence's, if any: they get a step of their own.
@@ -162,8 +171,7 @@ class Scheduler:
         now = time.monotonic()
         self.waiting.remove(sequence)
         self._start(sequence, self._urgency(sequence, now), now)
-        budget = max(self._config.max_tokens_per_step, self._config.max_batch_size)
-        return Chunk(sequence, min(sequence.num_tokens - sequence.num_cached_tokens, budget))
+        return Chunk(sequence, min(sequence.num_tokens - sequence.num_cached_tokens, self._step_budget))
 
     def _start(self, sequence: Sequence, urgency: float, now: float) -> None:
         sequence.admitted_urgency = urgency
