@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from tokenrelay.bench.serve import sse
+from tokenrelay.bench.serve import load_client, sse
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 
 MODEL = "tokenrelay-tiny"
@@ -41,13 +41,9 @@ async def first_token_s(client: httpx.AsyncClient, base: str, priority: int, tok
     return (first or time.perf_counter()) - sent
 
 
-def _client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
-
-
 async def _background_streams(base: str, streams: int, running: Event, stop: Event) -> list[float]:
     """Priority-5 streams, each followed by another, until `stop`; their times to first token."""
-    client = _client()
+    client = load_client()
     times: list[float] = []
 
     async def busy(index: int) -> None:
@@ -68,7 +64,7 @@ def _background(base: str, streams: int, running: Event, stop: Event, times: Con
 async def measure(base: str, probes: int, streams: int, settle_s: float) -> dict:
     # The background load comes from another process, as other users' would: the probes' times
     # must not include waiting on one event loop behind the background streams' reading.
-    client = _client()
+    client = load_client()
     question = "The most urgent question is"
     idle = [await first_token_s(client, base, 1, 8, question) for _ in range(probes)]
     spawn = multiprocessing.get_context("spawn")

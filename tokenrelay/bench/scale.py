@@ -45,7 +45,7 @@ import httpx
 from bus.kafka import KafkaBus, KafkaSettings
 from bus.topics import routing_topic
 from schemas.messages import WorkerLoad
-from tokenrelay.bench.serve import Outcome, Request, one_stream, percentiles, sse
+from tokenrelay.bench.serve import Outcome, Request, load_client, one_stream, percentiles, sse
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 from workers.simulated.profile import Profile, StepCost
 
@@ -176,7 +176,7 @@ async def saturate(args: argparse.Namespace, bootstrap: str, prefix: str, bases:
     bus, watch, tasks = await _watching(bootstrap, prefix, bases, workers)
     rng = random.Random(args.seed)
     streams = math.ceil(1.5 * workers * args.max_batch_size)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
+    client = load_client()
     outcomes: list[tuple[int, Outcome]] = []  # (gateway, outcome)
     started = time.perf_counter()
     window = (started + args.warmup, started + args.warmup + args.duration)
@@ -245,7 +245,7 @@ async def converse(args: argparse.Namespace, bootstrap: str, prefix: str, bases:
     bus, watch, tasks = await _watching(bootstrap, prefix, bases, workers)
     rng = random.Random(args.seed)
     system = _text(rng, args.system_bytes)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
+    client = load_client()
     ttfts: list[float] = []
 
     async def conversation(index: int) -> None:

@@ -124,6 +124,11 @@ async def one_stream(endpoint: str, client: httpx.AsyncClient, base: str, model:
     return outcome
 
 
+def load_client() -> httpx.AsyncClient:
+    """A client for a load of many long streams: no connection limit, ten minutes for a request."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
+
+
 async def run_load(
     base: str, model: str, endpoint: str, requests: list[Request], concurrency: int, rate: float, seed: int
 ) -> dict:
@@ -137,7 +142,7 @@ async def send_load(
     """Send the workload; each request's outcome, and the seconds it all took."""
     limit = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
+    client = load_client()
 
     async def limited(request: Request) -> Outcome:
         async with limit:
