@@ -37,6 +37,15 @@ def _compute(blocks: BlockManager, sequence: Sequence) -> None:
     blocks.computed(sequence, sequence.num_tokens)
 
 
+def _start_decoding(scheduler: Scheduler, blocks: BlockManager, sequence: Sequence) -> None:
+    """Admit the sequence and compute its whole prompt in one step; it has drawn a token and decodes from now."""
+    scheduler.add(sequence)
+    [chunk] = scheduler.schedule()
+    assert chunk.sequence is sequence and chunk.samples
+    _compute(blocks, sequence)
+    sequence.generated.append(1)
+
+
 def test_blocks_cover_the_tokens_without_padding():
     blocks = BlockManager(num_blocks=10, block_size=4)
     sequence = _sequence(list(range(9)))
@@ -125,11 +134,7 @@ def test_waiting_long_enough_makes_a_request_more_urgent():
 
 def test_decoding_comes_first_and_prompts_share_the_rest_of_the_budget():
     scheduler, blocks = _scheduler(max_batch=4, budget=10)
-    decoding = _sequence(list(range(5)), name="decoding")
-    scheduler.add(decoding)
-    [chunk] = scheduler.schedule()
-    _compute(blocks, decoding)  # its prompt is done: it decodes from now on
-    decoding.generated.append(7)
+    _start_decoding(scheduler, blocks, _sequence(list(range(5)), name="decoding"))
     long_prompt = _sequence(list(range(100, 130)), name="long")
     scheduler.add(long_prompt)
     chunks = {c.sequence.request_id: c for c in scheduler.schedule()}
@@ -146,11 +151,7 @@ def _compute_partially(blocks: BlockManager, sequence: Sequence, tokens: int) ->
 
 def test_a_prompt_more_urgent_than_every_decoding_sequence_gets_a_step_of_its_own():
     scheduler, blocks = _scheduler(max_batch=4, budget=100)
-    decoding = _sequence(list(range(5)), priority=3, name="decoding")
-    scheduler.add(decoding)
-    scheduler.schedule()
-    _compute(blocks, decoding)
-    decoding.generated.append(7)
+    _start_decoding(scheduler, blocks, _sequence(list(range(5)), priority=3, name="decoding"))
     for name, priority, first in (("background", 5, 100), ("urgent", 2, 200)):
         scheduler.add(_sequence(list(range(first, first + 20)), priority=priority, name=name))
     [alone] = scheduler.schedule()
@@ -164,10 +165,7 @@ def test_a_prompt_more_urgent_than_every_decoding_sequence_gets_a_step_of_its_ow
 def test_an_urgent_request_preempts_the_least_urgent_when_memory_is_short():
     scheduler, blocks = _scheduler(max_batch=4, num_blocks=4)
     background = _sequence(list(range(11)), priority=5, name="background")  # 3 of the 4 blocks
-    scheduler.add(background)
-    scheduler.schedule()
-    _compute(blocks, background)
-    background.generated.append(1)
+    _start_decoding(scheduler, blocks, background)
     urgent = _sequence(list(range(100, 108)), priority=1, name="urgent")  # needs 2 blocks
     scheduler.add(urgent)
     chunks = scheduler.schedule()
@@ -181,11 +179,7 @@ def test_an_urgent_request_preempts_the_least_urgent_when_memory_is_short():
 
 def test_an_equally_urgent_request_waits_instead_of_preempting():
     scheduler, blocks = _scheduler(max_batch=4, num_blocks=4)
-    first = _sequence(list(range(11)), priority=3, name="first")
-    scheduler.add(first)
-    scheduler.schedule()
-    _compute(blocks, first)
-    first.generated.append(1)
+    _start_decoding(scheduler, blocks, _sequence(list(range(11)), priority=3, name="first"))
     second = _sequence(list(range(100, 108)), priority=3, name="second")
     scheduler.add(second)
     second.waiting_since -= 100  # long enough to be first in the queue, not to preempt
