@@ -73,12 +73,17 @@ def openai_error_body(status: int, error_type: str, message: str) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": error_type}}
 
 
-def _answer(request: Request, status: int, error_type: str, message: str, headers=None) -> JSONResponse:
-    if request.url.path.startswith("/v1/"):
+def error_response(path: str, status: int, error_type: str, message: str, headers=None) -> JSONResponse:
+    """The error in the shape of the route at `path`."""
+    if path.startswith("/v1/"):
         status = 400 if status == 422 else status
         return JSONResponse(openai_error_body(status, error_type, message), status_code=status, headers=headers)
     body = ErrorBody(error=message, error_type=error_type).model_dump()
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _answer(request: Request, status: int, error_type: str, message: str, headers=None) -> JSONResponse:
+    return error_response(request.url.path, status, error_type, message, headers)
 
 
 def install_handlers(app: FastAPI) -> None:

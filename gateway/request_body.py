@@ -6,14 +6,22 @@ A pure ASGI middleware:
   passes it;
 - every route here takes JSON, and MindIE's clients (curl -d among them)
   often label it application/x-www-form-urlencoded or not at all, so a POST
-  body is handed on labelled application/json.
+  body is handed on labelled application/json;
+- a body Python's json cannot read for its own limits (nesting deeper than
+  the interpreter's recursion limit, an integer of more digits than it
+  converts) is refused with a 422 that says so; FastAPI would call it
+  unparsable (400) without saying why. Other malformed JSON goes on, for
+  FastAPI to name where it breaks.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import VALIDATION_ERROR, error_response
 
 PAYLOAD_TOO_LARGE = "Payload Too Large"
 
@@ -42,6 +50,10 @@ class RequestBodies:
                 return
             if not message.get("more_body", False):
                 break
+        problem = _beyond_parser_limits(bytes(body))
+        if problem is not None:
+            await error_response(scope["path"], 422, VALIDATION_ERROR, problem)(scope, receive, send)
+            return
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
         scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self._app(scope, _replay(bytes(body), receive), send)
@@ -52,6 +64,19 @@ class RequestBodies:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+
+def _beyond_parser_limits(body: bytes) -> str | None:
+    """Why Python's json cannot read this body although it may be valid JSON; None when that is not the case."""
+    try:
+        json.loads(body)
+    except RecursionError:
+        return f"the body is not valid JSON here: it is nested more than {sys.getrecursionlimit()} levels deep"
+    except ValueError as error:
+        if "integer string conversion" in str(error):
+            limit = sys.get_int_max_str_digits()
+            return f"the body is not valid JSON here: an integer has more than {limit} digits"
+    return None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -10,22 +10,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from schemas.messages import ChatMessage, SamplingParams
+from schemas.parameters import BODY, INT32_MAX
 
-INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
 
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
 
     model: str = Field(description="A served model name (GET /v1/models).")
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Default: the server's maxIterTimes.")
@@ -87,14 +87,14 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]

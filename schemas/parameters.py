@@ -17,8 +17,10 @@ INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 DEFAULT_MAX_NEW_TOKENS = 20
 
+# Request bodies: unknown fields refused by name; NaN and ±Infinity (which Python's json reads) are no numbers.
+BODY = ConfigDict(extra="forbid", allow_inf_nan=False)
 # strict: 5.0 is not an int and "5" is not a number; ints are still accepted as floats.
-STRICT = ConfigDict(extra="forbid", strict=True)
+STRICT = ConfigDict(BODY, strict=True)
 
 Details = Annotated[bool | None, Field(description="Return generation details.")]
 DoSample = Annotated[

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 from schemas.mindie import InferTokenRequest
 from schemas.openai import ChatCompletionRequest, CompletionRequest
+from schemas.parameters import BODY, STRICT
 from schemas.tgi import TgiRequest
 from schemas.triton import REQUEST_ID_PATTERN, GenerateStreamRequest
 
@@ -40,7 +41,7 @@ class WsGenerateStream(GenerateStreamRequest):
 
 
 class _WsOp(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = BODY
 
     id: StreamId = None
 
@@ -66,7 +67,7 @@ class WsChatCompletions(_WsOp):
 
 
 class WsCancel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = STRICT
 
     op: Literal["cancel"]
     id: str = Field(pattern=REQUEST_ID_PATTERN)

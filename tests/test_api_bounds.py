@@ -127,6 +127,40 @@ def test_other_fields_are_checked_too(server, route, body, field):
     assert refused.status_code == 422 and field in refused.json()["error"], refused.text
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "status", "said"),
+    [
+        (ROUTES["generate"][0], b"[" * 100_000 + b"]" * 100_000, 422, "nested more than"),
+        (
+            ROUTES["infer"][0],
+            b'{"inputs": "x", "parameters": {"seed": ' + b"7" * 5000 + b"}}",
+            422,
+            "more than 4300 digits",
+        ),
+        ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested more than"),
+        (ROUTES["generate"][0], b'{"text_input": "x", "parameters": {"temperature": Infinity}}', 422, "temperature"),
+        (ROUTES["generate_stream"][0], b'{"text_input": "x", "parameters": {"top_p": NaN}}', 422, "top_p"),
+        ("/generate", b'{"inputs": "x", "parameters": {"repetition_penalty": Infinity}}', 422, "repetition_penalty"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "%s", "messages": [], "temperature": NaN}' % MODEL.encode(),
+            400,
+            "temperature",
+        ),
+        ("/v1/completions", b'{"model": "%s", "prompt": "x", "top_p": -Infinity}' % MODEL.encode(), 400, "top_p"),
+    ],
+)
+def test_json_python_reads_but_no_number_is_named(server, path, body, status, said):
+    """Nesting and digits past the parser's limits, and NaN/Infinity where a number is expected."""
+    refused = httpx.post(server.url(path), content=body, timeout=60)
+    assert refused.status_code == status, refused.text
+    error = refused.json()["error"]
+    message = error if isinstance(error, str) else error["message"]
+    assert said in message, message
+    if said in ("temperature", "top_p", "repetition_penalty"):
+        assert "finite number" in message, message
+
+
 def _triton(**overrides) -> dict:
     tensor = {"name": "input0", "shape": [1, 2], "datatype": "UINT32", "data": [5, 6], **overrides}
     return {"inputs": [tensor], "outputs": [{"name": "output0"}]}
