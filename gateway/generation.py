@@ -90,15 +90,17 @@ async def start(
     tokens_before: int = 0,
     client_id: str | None = None,
     truncate: int | None = None,
-    return_prompt: bool = False,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> InFlight:
-    """Resolve the model, check the prompt, publish the request."""
+    """Resolve the model, check the prompt, publish the request (asking for these log-probabilities, if any)."""
     model = service.resolve(model_name)
     if token_ids is not None:
         check_prompt_tokens(model, token_ids)
+    sampling = parameters.sampling(seed=service.draw_seed())
     return await service.submit(
         model,
-        parameters.sampling(seed=service.draw_seed()),
+        sampling.model_copy(update={"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}),
         prompt_text=text,
         prompt_token_ids=token_ids,
         priority=parameters.given("priority"),
@@ -106,7 +108,6 @@ async def start(
         tokens_before=tokens_before,
         client_id=client_id,
         truncate=truncate,
-        return_prompt=return_prompt,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 WIRE_VERSION = 1
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
 
 class FinishReason(StrEnum):
@@ -48,6 +49,10 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
     stop: list[str] = []  # generation ends before the first of these strings (finish stop_sequence)
     stop_token_ids: list[int] = []  # generation ends with the first of these tokens (finish stop_sequence)
+    # Each generated token's log-probability, and this many of the likeliest alternatives'; None: none.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The prompt token by token, with log-probabilities and this many alternatives each; None: not listed.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -70,7 +75,6 @@ class GenerationRequest(_Message):
     prompt_token_ids: list[int] | None = None
     chat_messages: list[ChatMessage] | None = None
     truncate: int | None = Field(default=None, gt=0)  # keep only the prompt's last N tokens (TGI)
-    return_prompt: bool = False  # the first event lists the prompt's tokens (TGI's decoder_input_details)
     sampling: SamplingParams
     priority: int = Field(default=5, ge=1, le=5)
     # A recomputation continues a generation that broke off: this many tokens
@@ -110,6 +114,17 @@ class ErrorInfo(BaseModel):
     status: int  # the HTTP status a non-stream answer carries
 
 
+class TokenInfo(BaseModel):
+    """A token, its own text, and what the model thought of it (see workers/engine/step_output.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: int
+    text: str  # decoded alone, special tokens included
+    logprob: float | None = None  # None: the prompt's first token, which nothing predicts
+    top: list[TokenInfo] = []  # the likeliest tokens at its position, likeliest first
+
+
 class TokenEvent(BaseModel):
     """Tokens of one request produced by one engine step (usually one token)."""
 
@@ -121,7 +136,9 @@ class TokenEvent(BaseModel):
     token_ids: list[int] = []
     text: str = ""  # the new text these tokens complete; never half a character
     prompt_tokens: int | None = None  # on the first event
-    prompt: list[tuple[int, str]] | None = None  # on the first event when asked: each prompt token and its text
+    # On the first event when sampling.prompt_logprobs is set: the prompt's tokens.
+    prompt: list[TokenInfo] | None = None
+    logprobs: list[TokenInfo] | None = None  # when sampling.logprobs is set: one per token of token_ids
     prefill_time_ms: float | None = None  # first token: arrival at the worker to token
     decode_time_ms: float | None = None  # later tokens: since the previous token
     queue_wait_us: int = 0  # how long the sequence waited before this step ran

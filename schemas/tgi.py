@@ -1,8 +1,8 @@
 """TGI-compatible bodies: POST /generate and POST /generate_stream, as MindIE serves them (TGI 0.9.4).
 
 Parameters and ranges are TGI's (see ../shared/spec/API.md); unknown fields
-are refused, never ignored. Token log-probabilities are not computed: they
-are `null`.
+are refused, never ignored. Token log-probabilities are the model's raw
+ones (log-softmax of its logits, before temperature and filtering).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from schemas.parameters import (
     Watermark,
 )
 
+MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
@@ -43,6 +44,9 @@ class TgiParameters(RouteParameters):
     top_p: TopPBelowOne = None
     truncate: int | None = Field(None, gt=0, description="Keep only the prompt's last N tokens.")
     typical_p: TypicalP = None
+    top_n_tokens: int | None = Field(
+        None, ge=0, le=MAX_TOP_N_TOKENS, description="List this many likeliest tokens at each position."
+    )
     watermark: Watermark = None
 
     @field_validator("typical_p")
@@ -70,7 +74,7 @@ class TgiRequest(BaseModel):
 class TgiToken(BaseModel):
     id: int
     text: str
-    logprob: float | None = None  # not computed
+    logprob: float | None = None  # null only on a last event without a token of its own
     special: bool
 
 
@@ -87,6 +91,7 @@ class TgiDetails(BaseModel):
     prompt_tokens: int | None = None
     prefill: list[PrefillToken] = []
     tokens: list[TgiToken] = []
+    top_tokens: list[list[TgiToken]] | None = None  # with top_n_tokens: per generated token
 
 
 class TgiResponse(BaseModel):
@@ -102,6 +107,7 @@ class TgiStreamDetails(BaseModel):
 
 class TgiStreamEvent(BaseModel):
     token: TgiToken
+    top_tokens: list[TgiToken] | None = None  # with top_n_tokens
     generated_text: str | None = None  # on the last event
     details: TgiStreamDetails | None = None  # on the last event, when asked
 

@@ -306,6 +306,58 @@ def test_a_failover_continues_from_the_delivered_tokens_with_the_same_tokens_and
     assert done.token_ids == [] and done.index == 40 and done.finish_reason == FinishReason.LENGTH
 
 
+def _logprobs(reference, token_ids: list[int]) -> torch.Tensor:
+    """transformers' own forward pass: log-softmax of the logits at every position [tokens, vocabulary]."""
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([token_ids], device=reference.device)).logits[0]
+    return logits.double().log_softmax(dim=-1).cpu()
+
+
+def test_log_probabilities_are_the_models_own_for_generated_and_prompt_tokens(loaded, reference, harness_with):
+    """Raw log-softmax, whatever the sampling did: in a batch, over chunked prompts, and after a failover."""
+    h = harness_with(max_tokens_per_step=8)  # the 10-token prompt comes in two chunks
+    prompt = loaded.tokenizer(PROMPTS[2])["input_ids"][:10]
+    sampled = dict(do_sample=True, temperature=1.7, top_k=20, seed=5, ignore_eos=True)
+    ids = [
+        h.submit(prompt, 12, logprobs=5, prompt_logprobs=3, ignore_eos=True),  # greedy
+        h.submit(prompt, 12, logprobs=0, repetition_penalty=1.5, **sampled),
+        h.submit(PROMPTS[0], 12),  # asks for nothing, in the same steps
+    ]
+    results = h.collect(ids)
+    greedy, sampled_events, plain = (results[i] for i in ids)
+    assert all(e.logprobs is None and e.prompt is None for e in plain)
+    tokens = _tokens(greedy)
+    expected = _logprobs(reference, prompt + tokens)
+    for position, event in enumerate(greedy):
+        [info] = event.logprobs
+        row = expected[len(prompt) - 1 + position]
+        assert info.id == tokens[position] and info.logprob == pytest.approx(row[info.id].item(), abs=1e-9)
+        assert [t.id for t in info.top] == row.topk(5).indices.tolist()
+        assert info.top[0].id == info.id and info.top[0].logprob == info.logprob  # greedy: the likeliest
+        assert [t.logprob for t in info.top] == pytest.approx(row.topk(5).values.tolist(), abs=1e-9)
+    listed = greedy[0].prompt
+    assert [t.id for t in listed] == prompt and listed[0].logprob is None and listed[0].top == []
+    for position, info in enumerate(listed[1:], start=1):
+        row = expected[position - 1]
+        assert info.logprob == pytest.approx(row[prompt[position]].item(), abs=1e-9), position
+        assert [t.id for t in info.top] == row.topk(3).indices.tolist()
+    assert all(e.prompt is None for e in greedy[1:])
+    # Sampling with a temperature and a penalty: still the model's raw log-probabilities, no alternatives.
+    drawn = _tokens(sampled_events)
+    raw = _logprobs(reference, prompt + drawn)
+    for position, event in enumerate(sampled_events):
+        [info] = event.logprobs
+        assert info.top == [] and info.logprob == pytest.approx(
+            raw[len(prompt) - 1 + position][info.id].item(), abs=1e-9
+        )
+    # A failover after 5 tokens: the resumed tokens' log-probabilities are the uninterrupted run's.
+    resumed = h.collect([r := h.submit(prompt, 12, generated=tokens[:5], logprobs=5, ignore_eos=True)])[r]
+    assert _tokens(resumed) == tokens[5:]
+    for before, after in zip(greedy[5:], resumed, strict=True):
+        assert after.logprobs[0].logprob == pytest.approx(before.logprobs[0].logprob, abs=1e-9)
+        assert [t.id for t in after.logprobs[0].top] == [t.id for t in before.logprobs[0].top]
+
+
 def test_a_stop_string_ends_generation_before_it_and_a_stop_token_with_it(harness):
     reference = harness.collect([rid := harness.submit(LONG, 40, ignore_eos=True)])[rid]
     text = "".join(e.text for e in reference)

@@ -39,10 +39,10 @@ def test_a_step_takes_the_profiles_time_for_its_shape():
     prompt, decoding = _sequence(list(range(100)), name="p"), _sequence(list(range(40)), name="d")
     decoding.num_cached_tokens = 39
     started = time.monotonic()
-    tokens = runner.execute([Chunk(prompt, 100), Chunk(decoding, 1)], [Chunk(decoding, 1)])
+    output = runner.execute([Chunk(prompt, 100), Chunk(decoding, 1)], [Chunk(decoding, 1)])
     expected = PROFILE.step.seconds(100, 1, 100 + 40)
     assert runner.busy_s == expected and time.monotonic() - started >= expected
-    assert tokens == [simulated_token(1, 0)]
+    assert output.tokens == [simulated_token(1, 0)] and output.logprobs == [None]
 
 
 def _run(engine: Engine, events: queue.Queue, request: GenerationRequest) -> list:

@@ -37,13 +37,27 @@ def _tokens(event: TokenEvent) -> list[dict]:
     """One TGI token per generated token; a multi-token event's text goes with its last token."""
     special = event.finish_reason == FinishReason.EOS_TOKEN
     last = len(event.token_ids) - 1
+    logprobs = event.logprobs or [None] * len(event.token_ids)
     return [
-        {"id": t, "text": event.text if i == last else "", "logprob": None, "special": special and i == last}
-        for i, t in enumerate(event.token_ids)
+        {
+            "id": t,
+            "text": event.text if i == last else "",
+            "logprob": info and info.logprob,
+            "special": special and i == last,
+        }
+        for i, (t, info) in enumerate(zip(event.token_ids, logprobs, strict=True))
     ]
 
 
-async def _submit(connection: HTTPConnection, body: TgiRequest) -> InFlight:
+def _top_tokens(event: TokenEvent) -> list[list[dict]]:
+    """Per generated token, the likeliest tokens at its position (TGI's top_tokens)."""
+    return [
+        [{"id": top.id, "text": top.text, "logprob": top.logprob, "special": False} for top in info.top]
+        for info in event.logprobs or ()
+    ]
+
+
+async def _submit(connection: HTTPConnection, body: TgiRequest, streaming: bool) -> InFlight:
     service: GatewayService = connection.app.state.gateway
     parameters = body.parameters
     return await start(
@@ -52,7 +66,9 @@ async def _submit(connection: HTTPConnection, body: TgiRequest) -> InFlight:
         parameters,
         text=body.inputs,
         truncate=parameters.truncate,
-        return_prompt=bool(parameters.decoder_input_details),
+        # Token details carry log-probabilities: a stream's every token, and the details' tokens.
+        logprobs=(parameters.top_n_tokens or 0) if streaming or parameters.details else None,
+        prompt_logprobs=0 if parameters.decoder_input_details else None,
     )
 
 
@@ -66,7 +82,7 @@ async def stream_objects(connection: HTTPConnection, body: TgiRequest) -> AsyncI
     if body.parameters.decoder_input_details:
         raise unprocessable("parameters.decoder_input_details cannot be used with a stream")
     service: GatewayService = connection.app.state.gateway
-    inflight = await _submit(connection, body)
+    inflight = await _submit(connection, body, streaming=True)
     events = await stream(service, inflight, connection)
     prefix = body.inputs if body.parameters.return_full_text else ""
 
@@ -78,8 +94,11 @@ async def stream_objects(connection: HTTPConnection, body: TgiRequest) -> AsyncI
                 break
             text += event.text
             tokens = _tokens(event) or [_NO_TOKEN]
+            tops = _top_tokens(event) if body.parameters.top_n_tokens else []
             for i, token in enumerate(tokens):
                 out: dict = {"token": token, "generated_text": None, "details": None}
+                if i < len(tops):
+                    out["top_tokens"] = tops[i]
                 if event.finish_reason is not None and i == len(tokens) - 1:
                     out["generated_text"] = text
                     if body.parameters.details:
@@ -104,7 +123,7 @@ async def generate(body: TgiRequest, request: Request):
     if body.stream:
         return sse_response(await stream_objects(request, body), space=False)
     service: GatewayService = request.app.state.gateway
-    inflight = await _submit(request, body)
+    inflight = await _submit(request, body, streaming=False)
     done = await complete(service, inflight, request)
     text = (body.inputs if body.parameters.return_full_text else "") + done.text
     answer: dict = {"generated_text": text}
@@ -115,9 +134,13 @@ async def generate(body: TgiRequest, request: Request):
             "generated_tokens": done.generated_tokens,
             "seed": _seed(inflight),
             "prompt_tokens": done.prompt_tokens,
-            "prefill": [{"id": i, "text": t, "logprob": None} for i, t in (first.prompt or [])] if first else [],
+            "prefill": [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in (first.prompt or [])]
+            if first
+            else [],
             "tokens": [token for event in done.events for token in _tokens(event)],
         }
+        if body.parameters.top_n_tokens:
+            answer["details"]["top_tokens"] = [top for event in done.events for top in _top_tokens(event)]
     return JSONResponse(answer)
 
 

@@ -57,8 +57,11 @@ class BlockManager:
         """Blocks holding the computed KV of the sequence's first tokens, from other sequences or its own past.
 
         At least the last token is left out, so that a step still computes the
-        logits to sample from.
+        logits to sample from. A request that asks for its prompt's
+        log-probabilities reuses none: every prompt token's logits are computed.
         """
+        if sequence.request.sampling.prompt_logprobs is not None:
+            return []
         tokens = sequence.token_ids
         found: list[int] = []
         previous = 0

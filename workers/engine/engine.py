@@ -30,6 +30,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
+from workers.engine.step_output import StepOutput
 from workers.engine.stop_strings import StopStrings
 
 log = structlog.get_logger(__name__)
@@ -43,8 +44,8 @@ class Runner(Protocol):
     def bind_thread(self) -> None:
         """Called first on the engine thread."""
 
-    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> list[int]:
-        """Compute the chunks; return the next token of each chunk in `drawing`."""
+    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> StepOutput:
+        """Compute the chunks; return the next token of each chunk in `drawing`, and the scores asked for."""
 
     def yield_between_layers(self, callback: Callable[[], None]) -> None:
         """Have `callback` called within steps, between layers, where the device allows it."""
@@ -321,17 +322,21 @@ class Engine:
         started_at = time.monotonic()
         drawing = [c for c in chunks if c.samples]
         try:
-            tokens = self._runner.execute(chunks, drawing)
+            output = self._runner.execute(chunks, drawing)
         except Exception as error:  # a broken step must fail its requests, not the worker
             log.exception("step_failed", requests=[c.sequence.request_id for c in chunks])
             failure = ErrorInfo(message=f"generation failed: {error}", error_type="Incomplete Generation", status=500)
             return [self._end(c.sequence, FinishReason.INVALID_FLAG, failure) for c in chunks]
         for chunk in chunks:
+            scores = output.prompt_logprobs.get(chunk.sequence.request_id)
+            if scores is not None:
+                chunk.sequence.score_prompt(chunk.sequence.num_cached_tokens, scores)
             self._blocks.computed(chunk.sequence, chunk.sequence.num_cached_tokens + chunk.num_tokens)
         events = []
-        for chunk, token in zip(drawing, tokens, strict=True):
+        for chunk, token, scored in zip(drawing, output.tokens, output.logprobs, strict=True):
             sequence = chunk.sequence
-            event = sequence.append(token, started_at, len(chunks), self._finish_reason(sequence, token))
+            finish = self._finish_reason(sequence, token)
+            event = sequence.append(token, scored, started_at, len(chunks), finish)
             events.append(event)
             if event.finish_reason is not None:
                 self._scheduler.remove(sequence)

@@ -8,7 +8,8 @@ values. What the device needs of a step goes up in one copy. On a GPU, a
 step that only decodes replays a CUDA graph (cuda_graphs.py), and the KV
 cache gets a share of the memory left once the weights, the largest step's
 work and the graphs have theirs. Logits are computed only for the rows a
-token is drawn from, by the output head.
+token is drawn from, by the output head, and for the prompt rows of requests
+that ask for their prompt's log-probabilities.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import structlog
 import torch
@@ -30,8 +31,9 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.model_loader import KVGeometry, LoadedModel
 from workers.engine.output_head import OutputHead
-from workers.engine.sampler import Draw, DrawBatch, choose, sample
+from workers.engine.sampler import Draw, DrawBatch, choose, sample, score
 from workers.engine.scheduler import Chunk
+from workers.engine.step_output import Scored, StepOutput
 from workers.engine.transfer import to_device
 
 log = structlog.get_logger(__name__)
@@ -50,6 +52,10 @@ class StepLayout:
     decodes: int  # sequences decoding one token: rows [0, decodes)
     query_starts: list[int]  # chunk c is rows [query_starts[c], query_starts[c + 1]); [] without chunks
     sample_rows: list[int]  # the row each drawn token comes from, in the chunks' order
+    first_rows: list[int] = field(default_factory=list)  # each chunk's first row, in the chunks' order
+
+
+_SCORED_ROWS = 256  # prompt rows scored at once: their float32 logits are rows x vocabulary
 
 
 def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
@@ -62,7 +68,7 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
     tables: list[list[int]] = []
     lengths: list[int] = []
     query_starts: list[int] = []
-    last_row = [0] * len(chunks)
+    first_rows = [0] * len(chunks)
     for index in order:
         chunk = chunks[index]
         sequence, row = chunk.sequence, len(ids)
@@ -76,12 +82,41 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
         lengths.append(end)
         if chunk.num_tokens > 1:
             query_starts.append(row)
-        last_row[index] = row + chunk.num_tokens - 1
+        first_rows[index] = row
     decodes = len(order) - len(query_starts)
     if query_starts:
         query_starts.append(len(ids))
-    sample_rows = [last_row[i] for i, c in enumerate(chunks) if c.samples]
-    return StepLayout(ids, positions, slots, tables, lengths, decodes, query_starts, sample_rows)
+    sample_rows = [first_rows[i] + c.num_tokens - 1 for i, c in enumerate(chunks) if c.samples]
+    return StepLayout(ids, positions, slots, tables, lengths, decodes, query_starts, sample_rows, first_rows)
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """The rows of a step whose next token is a prompt token, for requests that ask for prompt log-probabilities."""
+
+    rows: list[int]
+    targets: list[int]  # the prompt token each row predicts
+    tops: list[int]  # alternatives each row lists
+    spans: list[tuple[str, int]]  # (request id, its rows), in row order
+
+    @classmethod
+    def of(cls, chunks: list[Chunk], step: StepLayout) -> PromptScoring:
+        rows: list[int] = []
+        targets: list[int] = []
+        tops: list[int] = []
+        spans: list[tuple[str, int]] = []
+        for chunk, first_row in zip(chunks, step.first_rows, strict=True):
+            sequence = chunk.sequence
+            top = sequence.request.sampling.prompt_logprobs
+            start = sequence.num_cached_tokens
+            end = min(start + chunk.num_tokens, len(sequence.prompt_ids) - 1)  # the last predicts no prompt token
+            if top is None or end <= start:
+                continue
+            rows.extend(range(first_row, first_row + end - start))
+            targets.extend(sequence.prompt_ids[start + 1 : end + 1])
+            tops.extend([top] * (end - start))
+            spans.append((sequence.request_id, end - start))
+        return cls(rows, targets, tops, spans)
 
 
 class ModelRunner:
@@ -178,20 +213,30 @@ class ModelRunner:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)  # per thread: the kernels launch on the current device
 
-    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> list[int]:
+    @torch.inference_mode()
+    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> StepOutput:
         """One engine step: compute the chunks, then draw the next token of each chunk in `drawing`."""
         # The draws' parameters go to the device before the forward pass, so that nothing waits for it
         # until the tokens are read.
         draws = DrawBatch.of([_draw(c) for c in drawing], self.head.vocab_size, self._device)
-        return sample(self.head, self.run(chunks), draws)
+        step = layout_step(chunks, self.block_size)
+        prompt = PromptScoring.of(chunks, step)
+        hidden = self.forward(replace(step, sample_rows=step.sample_rows + prompt.rows))
+        tokens, logprobs = sample(self.head, hidden[: len(drawing)], draws)
+        return StepOutput(tokens, logprobs, self._score_prompt(hidden[len(drawing) :], prompt))
 
-    @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Compute the chunks; the last hidden state of each chunk that samples [chunks, hidden], in order.
-
-        `self.head` turns those into logits or tokens.
-        """
-        return self.forward(layout_step(chunks, self.block_size))
+    def _score_prompt(self, hidden: torch.Tensor, prompt: PromptScoring) -> dict[str, list[Scored]]:
+        if not prompt.rows:
+            return {}
+        targets = to_device(torch.tensor(prompt.targets), self._device)
+        scores: list[Scored] = []
+        for start in range(0, len(prompt.rows), _SCORED_ROWS):
+            rows = slice(start, start + _SCORED_ROWS)
+            scores += score(self.head.logits(hidden[rows]), targets[rows], prompt.tops[rows])
+        by_request: dict[str, list[Scored]] = {}
+        for request_id, count in prompt.spans:
+            by_request[request_id], scores = scores[:count], scores[count:]
+        return by_request
 
     @torch.inference_mode()
     def forward(self, step: StepLayout, graphs: bool = True) -> torch.Tensor:

@@ -11,6 +11,9 @@ Triton launch for the batch, triton_sampling.py). The race is robust to the
 last-bit differences between a batched and a lone forward pass: a token
 changes only if two candidates tie within them.
 
+Rows whose request asks for log-probabilities get them from the same logits
+(step_output.py says which), in one more read.
+
 The whole batch is one set of tensor operations on the device that computed
 its logits: the parameters go up in one copy before the step's forward pass
 (`DrawBatch.of`), and the tokens come back in one read; nothing in between
@@ -26,6 +29,7 @@ import torch
 
 from schemas.messages import SamplingParams
 from workers.engine.output_head import OutputHead
+from workers.engine.step_output import Scored
 from workers.engine.transfer import to_device
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: spreads nearby seeds apart
@@ -58,7 +62,8 @@ class DrawBatch:
     seen: torch.Tensor | None  # flat indices row * vocab + token of the tokens a penalty applies to
     sampling: torch.Tensor | None  # the rows that sample; None: none does
     noise_seeds: torch.Tensor | None  # per sampling row: noise_seed(seed, index) as int64 (two's complement)
-    plain: list[int]  # rows that take the plain argmax (no sampling, no penalty)
+    plain: list[int]  # rows that take the plain argmax (no sampling, no penalty, no log-probabilities)
+    scored: list[int]  # rows whose request asks for log-probabilities
     typical: bool  # whether a sampling row has typical_p < 1
 
     @classmethod
@@ -89,31 +94,67 @@ class DrawBatch:
             seen=indices[2 * len(sampling) :] if seen else None,
             sampling=indices[: len(sampling)] if sampling else None,
             noise_seeds=indices[len(sampling) : 2 * len(sampling)] if sampling else None,
-            plain=[row for row, p in enumerate(params) if not p.do_sample and p.repetition_penalty == 1.0],
+            plain=[
+                row
+                for row, p in enumerate(params)
+                if not p.do_sample and p.repetition_penalty == 1.0 and p.logprobs is None
+            ],
+            scored=[row for row, p in enumerate(params) if p.logprobs is not None],
             typical=any(params[row].typical_p is not None and params[row].typical_p < 1.0 for row in sampling),
         )
 
 
-def sample(head: OutputHead, hidden: torch.Tensor, batch: DrawBatch) -> list[int]:
-    """The next token of each row, from its last hidden state (`hidden` [rows, hidden size])."""
+def sample(head: OutputHead, hidden: torch.Tensor, batch: DrawBatch) -> tuple[list[int], list[Scored | None]]:
+    """The next token of each row, from its last hidden state (`hidden` [rows, hidden size]), and its scores
+    where its request asks for them."""
     if not head.fast or not batch.plain:
-        return choose(head.logits(hidden), batch).tolist()
+        logits = head.logits(hidden)
+        tokens = choose(logits, batch)
+        return tokens.tolist(), _scores_of(logits, tokens, batch)
     # The CPU's fast head finds plain greedy rows' argmax without their whole float32 logits.
     tokens = [0] * hidden.shape[0]
+    scores: list[Scored | None] = [None] * hidden.shape[0]
     for row, token in zip(batch.plain, head.argmax(hidden[batch.plain]), strict=True):
         tokens[row] = token
     plain = set(batch.plain)
     others = [row for row in range(hidden.shape[0]) if row not in plain]
     if others:
         rest = DrawBatch.of([batch.draws[row] for row in others], head.vocab_size, hidden.device)
-        for row, token in zip(others, choose(head.logits(hidden[others]), rest).tolist(), strict=True):
-            tokens[row] = token
-    return tokens
+        logits = head.logits(hidden[others])
+        chosen = choose(logits, rest)
+        for row, token, scored in zip(others, chosen.tolist(), _scores_of(logits, chosen, rest), strict=True):
+            tokens[row], scores[row] = token, scored
+    return tokens, scores
+
+
+def _scores_of(logits: torch.Tensor, tokens: torch.Tensor, batch: DrawBatch) -> list[Scored | None]:
+    scores: list[Scored | None] = [None] * logits.shape[0]
+    if batch.scored:
+        tops = [batch.draws[row].params.logprobs or 0 for row in batch.scored]
+        rows = batch.scored
+        for row, scored in zip(rows, score(logits[rows], tokens[rows], tops), strict=True):
+            scores[row] = scored
+    return scores
+
+
+def score(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[Scored]:
+    """Each row's token's log-probability under `logits` [rows, vocab], with its `tops[row]` likeliest tokens'."""
+    logprobs = _at_least_float32(logits).log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    k = max(tops, default=0)
+    if not k:
+        return [Scored(value) for value in chosen]
+    values, ids = logprobs.topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [
+        Scored(value, list(zip(ids[row][:top], values[row][:top], strict=True)))
+        for row, (value, top) in enumerate(zip(chosen, tops, strict=True))
+    ]
 
 
 def choose(logits: torch.Tensor, batch: DrawBatch) -> torch.Tensor:
     """The next token of each row of `logits` [rows, vocab], on their device."""
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    logits = _at_least_float32(logits)
     scores = logits
     if batch.seen is not None:
         penalty = batch.values[_PENALTY].to(logits.dtype).unsqueeze(1)
@@ -163,6 +204,10 @@ def _exponential_noise(seeds: torch.Tensor, vocab: int, like: torch.Tensor) -> t
             for seed in seeds.tolist()
         ]
     )
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def _signed(value: int) -> int:

@@ -6,8 +6,9 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent
+from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenInfo
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.step_output import Scored
 from workers.engine.stop_strings import StopStrings
 
 
@@ -37,6 +38,7 @@ class Sequence:
     # Block index -> the prompt prefix hashes (bus/prefixes.py) whose prefix ends in that block.
     prefix_marks: dict[int, list[int]] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
+    prompt_scores: list[Scored] = field(default_factory=list)  # [i] scores prompt token i + 1, when asked
 
     @property
     def request_id(self) -> str:
@@ -81,17 +83,32 @@ class Sequence:
             text += self.stop_strings.flush()
         return text, finish
 
-    def _prompt_pieces(self) -> list[tuple[int, str]]:
+    def score_prompt(self, start: int, scores: list[Scored]) -> None:
+        """The scores of prompt tokens start + 1, ... (a recomputation after a preemption scores them anew)."""
+        del self.prompt_scores[start:]
+        self.prompt_scores.extend(scores)
+
+    def _token_info(self, token_id: int, scored: Scored | None) -> TokenInfo:
         decode = self.detokenizer.decode_one
-        return [(token_id, decode(token_id)) for token_id in self.prompt_ids]
+        if scored is None:
+            return TokenInfo(id=token_id, text=decode(token_id))
+        top = [TokenInfo(id=i, text=decode(i), logprob=value) for i, value in scored.top]
+        return TokenInfo(id=token_id, text=decode(token_id), logprob=scored.logprob, top=top)
+
+    def _prompt_infos(self) -> list[TokenInfo]:
+        scores = [None, *self.prompt_scores][: len(self.prompt_ids)]
+        scores += [None] * (len(self.prompt_ids) - len(scores))  # a runner that scores no prompt (simulated)
+        return [self._token_info(token_id, scored) for token_id, scored in zip(self.prompt_ids, scores, strict=True)]
 
     @property
     def next_index(self) -> int:
         """The request-wide index of the next token (recomputed tokens count)."""
         return self.request.tokens_before + len(self.generated)
 
-    def append(self, token_id: int, started_at: float, batch_size: int, finish: FinishReason | None) -> TokenEvent:
-        """Record a generated token and describe it as an event.
+    def append(
+        self, token_id: int, scored: Scored | None, started_at: float, batch_size: int, finish: FinishReason | None
+    ) -> TokenEvent:
+        """Record a generated token (with its scores, when the request asks for them) and describe it as an event.
 
         `started_at` is when the step that computed it began. MindIE's
         queue_wait_time is, for the first token, the wait before the sequence
@@ -114,7 +131,8 @@ class Sequence:
             token_ids=[token_id],
             text=text,
             prompt_tokens=len(self.prompt_ids) if first else None,
-            prompt=self._prompt_pieces() if first and self.request.return_prompt else None,
+            prompt=self._prompt_infos() if first and self.request.sampling.prompt_logprobs is not None else None,
+            logprobs=None if scored is None else [self._token_info(token_id, scored)],
             prefill_time_ms=since_previous * 1000 if first_of_request else None,
             decode_time_ms=None if first_of_request else since_previous * 1000,
             queue_wait_us=int(max(0.0, waited) * 1e6),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from workers.engine.config import EngineConfig
 from workers.engine.scheduler import Chunk
+from workers.engine.step_output import Scored, StepOutput
 from workers.simulated.profile import Profile
 
 _SPECIALS = 3  # pad, bos, eos
@@ -83,14 +84,22 @@ class SimulatedRunner:
     def yield_between_layers(self, callback: Callable[[], None]) -> None:
         """A simulated step is one wait, with no layers to pause between."""
 
-    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> list[int]:
+    def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> StepOutput:
         prompt = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         decodes = sum(1 for c in chunks if c.num_tokens == 1)
         context = sum(c.sequence.num_cached_tokens + c.num_tokens for c in chunks)
         seconds = self._cost.seconds(prompt, decodes, context)
         time.sleep(seconds)
         self.busy_s += seconds
-        return [simulated_token(c.sequence.request.sampling.seed, c.sequence.next_index) for c in drawing]
+        tokens = [simulated_token(c.sequence.request.sampling.seed, c.sequence.next_index) for c in drawing]
+        # The simulated model is sure of every token it draws: log-probability 0, and no alternative.
+        logprobs = [
+            None
+            if c.sequence.request.sampling.logprobs is None
+            else Scored(0.0, [(t, 0.0)][: c.sequence.request.sampling.logprobs])
+            for c, t in zip(drawing, tokens, strict=True)
+        ]
+        return StepOutput(tokens, logprobs)
 
 
 @dataclass(frozen=True)
