@@ -42,6 +42,11 @@ class SamplingParams(BaseModel):
     top_p: float = 1.0
     typical_p: float | None = None  # None = off
     repetition_penalty: float = 1.0
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # drop tokens less likely than min_p x the likeliest's
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence among the tokens generated so far
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    min_tokens: int = Field(default=0, ge=0)  # EOS and stop tokens cannot be drawn before this many tokens
     # Always set: drawn by the gateway when the client gave none, so that a
     # request retried on another worker draws the same tokens.
     seed: int = Field(ge=0, le=2**64 - 1)
@@ -49,6 +54,8 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (benchmarks)
     stop: list[str] = []  # generation ends before the first of these strings (finish stop_sequence)
     stop_token_ids: list[int] = []  # generation ends with the first of these tokens (finish stop_sequence)
+    include_stop_str_in_output: bool = False  # the text ends with the stop string rather than before it
+    skip_special_tokens: bool = True  # special tokens have no text
     # Each generated token's log-probability, and this many of the likeliest alternatives'; None: none.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # The prompt token by token, with log-probabilities and this many alternatives each; None: not listed.

@@ -255,6 +255,14 @@ def test_ignore_eos_generates_every_token_asked_for(harness):
     assert len(_tokens(events)) == 30 and events[-1].finish_reason == FinishReason.LENGTH
 
 
+def test_min_tokens_keeps_eos_and_stop_tokens_from_being_drawn_until_then(loaded, harness):
+    eos_at = len(harness.collect([r := harness.submit(PROMPTS[0], 50)])[r]) - 1
+    early = _tokens(harness.collect([r := harness.submit(PROMPTS[0], 8, ignore_eos=True)])[r])
+    events = harness.collect([r := harness.submit(PROMPTS[0], 50, min_tokens=eos_at + 5, stop_token_ids=early[:2])])[r]
+    tokens = _tokens(events)
+    assert len(tokens) > eos_at + 5 and not set(tokens[: eos_at + 5]) & (loaded.eos_token_ids | set(early[:2]))
+
+
 def test_batch_size_counts_the_sequences_of_the_step(harness):
     ids = [harness.submit(LONG, 30) for _ in range(4)]
     results = harness.collect(ids)

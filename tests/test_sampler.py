@@ -88,6 +88,36 @@ def test_typical_p_drops_unusual_tokens():
     assert {_draw(params, logits, index=i) for i in range(60)} <= {0, 1}
 
 
+def test_min_p_drops_tokens_far_less_likely_than_the_likeliest():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.12, 0.08]))
+    params = SamplingParams(seed=4, do_sample=True, min_p=0.2)  # keeps p >= 0.1
+    assert {_draw(params, logits, index=i) for i in range(200)} == {0, 1, 2}
+
+
+def test_presence_and_frequency_penalties_subtract_from_generated_tokens_logits():
+    logits = torch.tensor([5.0, 4.0, 3.5, 0.0])
+
+    def greedy(generated, **penalties) -> int:
+        params = SamplingParams(seed=1, **penalties)
+        return sample_logits(logits.unsqueeze(0), [Draw(params, (), 0, generated)])[0]
+
+    assert greedy((0,), presence_penalty=0.9) == 0 and greedy((0,), presence_penalty=1.1) == 1
+    assert greedy((0, 0, 1), frequency_penalty=0.8) == 2  # 5 - 1.6 and 4 - 0.8 fall below 3.5
+    assert greedy((0, 0), frequency_penalty=0.4, presence_penalty=0.3) == 1  # 5 - 0.8 - 0.3 < 4
+    assert greedy((), presence_penalty=2.0, frequency_penalty=2.0) == 0  # nothing generated yet
+
+
+def test_logit_bias_and_banned_tokens_move_greedy_and_sampled_draws():
+    logits = _logits(6)
+    biased = SamplingParams(seed=3, do_sample=True, logit_bias={17: 100.0})
+    assert {_draw(biased, logits, index=i) for i in range(20)} == {17}
+    best = int(logits.argmax())
+    against = SamplingParams(seed=3, logit_bias={best: -100.0})
+    assert _draw(against, logits) == int(logits.clone().index_fill_(0, torch.tensor([best]), -1e9).argmax())
+    banned = sample_logits(logits.unsqueeze(0), [Draw(SamplingParams(seed=1), (), 0, (), (best,))])[0]
+    assert banned != best and banned == _draw(against, logits)
+
+
 def test_extreme_parameters_still_draw_a_token():
     logits = _logits(4)
     extremes = [

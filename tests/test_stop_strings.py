@@ -26,3 +26,9 @@ def test_held_back_text_is_released_once_it_cannot_start_a_stop_string_or_at_the
 
 def test_without_stop_strings_text_passes_at_once():
     assert StopStrings([]).feed("anything") == ("anything", False)
+
+
+def test_a_stop_string_may_end_the_text_instead():
+    stops = StopStrings(["END", "ENDING"], include=True)
+    assert stops.feed("the EN") == ("t", False)  # "he EN" may start "ENDING"
+    assert stops.feed("DING here") == ("he ENDING", True)  # the first to start; of those, the longest

@@ -15,14 +15,15 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # start of the window decoded for comparison
         self._read_offset = len(self._ids)  # tokens before this are emitted as text
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def decode_one(self, token_id: int) -> str:
         """One token's own text, special tokens included (to list a prompt token by token)."""

@@ -236,8 +236,8 @@ class Engine:
             request=request,
             prompt_ids=prompt_ids,
             max_new_tokens=budget,
-            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
-            stop_strings=StopStrings(request.sampling.stop),
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids, request.sampling.skip_special_tokens),
+            stop_strings=StopStrings(request.sampling.stop, request.sampling.include_stop_str_in_output),
             received_at=received_at,
         )
         sequence.replay(request.generated_token_ids)  # the text goes on exactly where the client's stopped

@@ -125,6 +125,7 @@ class ModelRunner:
         (default: CUDA graphs on a GPU, none on the CPU)."""
         self._model = loaded.model
         self._device = loaded.device
+        self._eos = loaded.eos_token_ids
         self._config = config
         self.block_size = config.block_size
         self.kernels = kernels_for(self._device) if config.attention == "auto" else config.attention
@@ -218,7 +219,7 @@ class ModelRunner:
         """One engine step: compute the chunks, then draw the next token of each chunk in `drawing`."""
         # The draws' parameters go to the device before the forward pass, so that nothing waits for it
         # until the tokens are read.
-        draws = DrawBatch.of([_draw(c) for c in drawing], self.head.vocab_size, self._device)
+        draws = DrawBatch.of([_draw(c, self._eos) for c in drawing], self.head.vocab_size, self._device)
         step = layout_step(chunks, self.block_size)
         prompt = PromptScoring.of(chunks, step)
         hidden = self.forward(replace(step, sample_rows=step.sample_rows + prompt.rows))
@@ -378,9 +379,12 @@ class ModelRunner:
         return graphs
 
 
-def _draw(chunk: Chunk) -> Draw:
+def _draw(chunk: Chunk, eos: frozenset[int]) -> Draw:
     sequence = chunk.sequence
     params = sequence.request.sampling
-    # The token history is only read for a repetition penalty; do not copy it otherwise.
+    # The token history is only read for penalties; do not copy it otherwise.
     history = sequence.token_ids if params.repetition_penalty != 1.0 else ()
-    return Draw(params, history, sequence.next_index)
+    generated = sequence.generated if params.presence_penalty or params.frequency_penalty else ()
+    early = sequence.next_index < params.min_tokens
+    banned = [*(() if params.ignore_eos else eos), *params.stop_token_ids] if early else ()
+    return Draw(params, history, sequence.next_index, generated, banned)

@@ -1,7 +1,11 @@
 """Draw the next token of every sequence of a step at once, each with its own parameters.
 
-Greedy rows take the argmax. Sampling rows go through temperature, top-k,
-top-p and typical-p as transformers applies them, then draw with the
+Every row's logits first get its penalties and biases: the repetition
+penalty (transformers'), then additions to single tokens (OpenAI's presence
+and frequency penalties over the tokens generated so far, logit_bias, and
+-inf for EOS and stop tokens before min_tokens). Greedy rows take the argmax.
+Sampling rows go through temperature, top-k, top-p, min-p and typical-p as
+transformers applies them, then draw with the
 exponential race (argmax of p / E, E ~ Exp(1)), which picks token i with
 probability p_i. The noise of token i of a request comes from a seed made of
 (seed, i) alone: whatever else is in the batch, after a preemption, and on
@@ -22,6 +26,7 @@ waits for the device.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +48,8 @@ class Draw:
     params: SamplingParams
     token_ids: Sequence[int]  # prompt and generated so far, for the repetition penalty
     index: int  # the request-wide index of the token drawn
+    generated: Sequence[int] = ()  # generated so far, for the presence and frequency penalties
+    banned: Sequence[int] = ()  # tokens it may not draw (EOS and stop tokens before min_tokens)
 
 
 def noise_seed(seed: int, token_index: int) -> int:
@@ -50,7 +57,7 @@ def noise_seed(seed: int, token_index: int) -> int:
 
 
 # The rows of DrawBatch.values
-_TEMPERATURE, _TOP_K, _TOP_P, _TYPICAL_P, _PENALTY = range(5)
+_TEMPERATURE, _TOP_K, _TOP_P, _TYPICAL_P, _PENALTY, _MIN_P = range(6)
 
 
 @dataclass(frozen=True)
@@ -58,13 +65,17 @@ class DrawBatch:
     """A step's draws as tensors: per-row parameters, and the tokens a repetition penalty applies to."""
 
     draws: list[Draw]
-    values: torch.Tensor  # [5, rows] float64: temperature, top_k (vocab: all), top_p, typical_p, penalty
+    values: torch.Tensor  # [6, rows] float64: temperature, top_k (vocab: all), top_p, typical_p, penalty, min_p
     seen: torch.Tensor | None  # flat indices row * vocab + token of the tokens a penalty applies to
+    # Additions to single logits: flat indices (row * vocab + token) and what each adds (float64)
+    added_at: torch.Tensor | None
+    added: torch.Tensor | None
     sampling: torch.Tensor | None  # the rows that sample; None: none does
     noise_seeds: torch.Tensor | None  # per sampling row: noise_seed(seed, index) as int64 (two's complement)
     plain: list[int]  # rows that take the plain argmax (no sampling, no penalty, no log-probabilities)
     scored: list[int]  # rows whose request asks for log-probabilities
     typical: bool  # whether a sampling row has typical_p < 1
+    min_p: bool  # whether a sampling row has min_p > 0
 
     @classmethod
     def of(cls, draws: list[Draw], vocab: int, device: torch.device) -> DrawBatch:
@@ -76,6 +87,7 @@ class DrawBatch:
                 p.top_p,
                 p.typical_p or 1.0,
                 p.repetition_penalty,
+                p.min_p,
             )
             for p in params
         ]
@@ -87,21 +99,49 @@ class DrawBatch:
             if d.params.repetition_penalty != 1.0
             for token in set(d.token_ids)
         ]
-        indices = to_device(torch.tensor([*sampling, *seeds, *seen], dtype=torch.long), device)  # one copy
+        added = _additions(draws, vocab)
+        indices = [*sampling, *seeds, *seen, *added]
+        indices = to_device(torch.tensor(indices, dtype=torch.long), device)  # one copy
+        after_seen = 2 * len(sampling) + len(seen)
         return cls(
             draws=draws,
-            values=to_device(torch.tensor(values, dtype=torch.float64).reshape(-1, 5).T.contiguous(), device),
-            seen=indices[2 * len(sampling) :] if seen else None,
+            values=to_device(torch.tensor(values, dtype=torch.float64).reshape(-1, 6).T.contiguous(), device),
+            seen=indices[2 * len(sampling) : after_seen] if seen else None,
+            added_at=indices[after_seen:] if added else None,
+            added=to_device(torch.tensor(list(added.values()), dtype=torch.float64), device) if added else None,
             sampling=indices[: len(sampling)] if sampling else None,
             noise_seeds=indices[len(sampling) : 2 * len(sampling)] if sampling else None,
             plain=[
                 row
-                for row, p in enumerate(params)
-                if not p.do_sample and p.repetition_penalty == 1.0 and p.logprobs is None
+                for row, (d, p) in enumerate(zip(draws, params, strict=True))
+                if not p.do_sample and p.repetition_penalty == 1.0 and p.logprobs is None and not _adds(d)
             ],
             scored=[row for row, p in enumerate(params) if p.logprobs is not None],
             typical=any(params[row].typical_p is not None and params[row].typical_p < 1.0 for row in sampling),
+            min_p=any(params[row].min_p > 0 for row in sampling),
         )
+
+
+def _adds(draw: Draw) -> bool:
+    """Whether the draw changes single logits (see _additions)."""
+    p = draw.params
+    return bool(p.logit_bias or draw.banned or (draw.generated and (p.presence_penalty or p.frequency_penalty)))
+
+
+def _additions(draws: list[Draw], vocab: int) -> dict[int, float]:
+    """Flat index (row * vocab + token) -> what is added to that logit: penalties, biases, bans."""
+    added: dict[int, float] = {}
+    for row, draw in enumerate(draws):
+        p, base = draw.params, row * vocab
+        if p.presence_penalty or p.frequency_penalty:
+            for token, count in Counter(draw.generated).items():
+                added[base + token] = -(p.presence_penalty + p.frequency_penalty * count)
+        for token, bias in p.logit_bias.items():
+            if 0 <= token < vocab:  # the gateway refuses others; a model of another vocabulary may still serve it
+                added[base + token] = added.get(base + token, 0.0) + bias
+        for token in draw.banned:
+            added[base + token] = float("-inf")
+    return added
 
 
 def sample(head: OutputHead, hidden: torch.Tensor, batch: DrawBatch) -> tuple[list[int], list[Scored | None]]:
@@ -162,14 +202,17 @@ def choose(logits: torch.Tensor, batch: DrawBatch) -> torch.Tensor:
         seen.view(-1)[batch.seen] = True
         scores = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
         scores = _finite_limit(scores, logits)  # a vanishing penalty can overflow a score
+    if batch.added_at is not None:
+        scores = scores.clone() if scores is logits else scores
+        scores.view(-1).index_add_(0, batch.added_at, batch.added.to(scores.dtype))
     tokens = scores.argmax(dim=-1)
     if batch.sampling is not None:
         rows = batch.sampling
-        tokens[rows] = _draw(scores[rows], batch.values[:, rows], logits[rows], batch.typical, batch.noise_seeds)
+        tokens[rows] = _draw(scores[rows], batch.values[:, rows], logits[rows], batch, batch.noise_seeds)
     return tokens
 
 
-def _draw(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, typical: bool, seeds: torch.Tensor):
+def _draw(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, batch: DrawBatch, seeds: torch.Tensor):
     """values: the rows' DrawBatch.values (float64); seeds: their noise seeds."""
     vocab = scores.shape[-1]
     values = values.to(scores.dtype)
@@ -182,7 +225,10 @@ def _draw(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, typi
     probabilities = ordered.softmax(dim=-1)
     mass_before = probabilities.cumsum(dim=-1) - probabilities
     ordered = ordered.masked_fill((mass_before >= values[_TOP_P].unsqueeze(1)) & (ranks > 0), float("-inf"))
-    if typical:
+    if batch.min_p:  # relative to the likeliest token, which top-k and top-p always keep first
+        probabilities = ordered.softmax(dim=-1)
+        ordered = ordered.masked_fill(probabilities < values[_MIN_P].unsqueeze(1) * probabilities[:, :1], float("-inf"))
+    if batch.typical:
         mass = values[_TYPICAL_P].unsqueeze(1)
         ordered = torch.where(mass < 1.0, _typical(ordered, mass), ordered)
     probabilities = ordered.softmax(dim=-1)  # the best token of each row is finite: never all -inf
