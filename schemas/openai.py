@@ -1,18 +1,24 @@
 """OpenAI-compatible bodies: /v1/completions, /v1/chat/completions, /v1/models.
 
-The fields OpenAI documents that this server honours; any other field is
-refused by name (400), so that a client never believes a parameter was
-applied when it was not. `n` must be 1. `stop_token_ids` and `priority` are
-vLLM's extensions; `priority` is this server's 1–5 (1 most urgent).
+The fields OpenAI documents that this server honours, and vLLM's extensions
+that its users' benchmark and evaluation clients send (`ignore_eos`,
+`min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
+`skip_special_tokens`, `include_stop_str_in_output`,
+`stream_options.continuous_usage_stats`, `priority`: this server's 1–5, 1
+most urgent). Any other field is refused by name (400), so that a client
+never believes a parameter was applied when it was not. `n` must be 1.
+
+Log-probabilities are the model's raw ones: log-softmax of its logits, before
+temperature, penalties and filtering (vLLM's default).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from schemas.messages import ChatMessage, SamplingParams
+from schemas.messages import ChatMessage, SamplingParams, TokenInfo
 from schemas.parameters import BODY, INT32_MAX
 
 SEED_MAX = 2**63 - 1
@@ -22,6 +28,7 @@ class StreamOptions(BaseModel):
     model_config = BODY
 
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: usage so far in every chunk.")
 
 
 class _Sampling(BaseModel):
@@ -39,6 +46,29 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Sampling noise; the same seed, the same tokens.")
     user: str | None = Field(None, description="Accepted, for logs.")
     priority: int | None = Field(None, ge=1, le=5, description="1 is the most urgent; default 5.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Per token generated so far.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Per occurrence so far.")
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=300, description="Token id (as a string) -> added to its logit, -100 to 100."
+    )
+    # vLLM's extensions
+    ignore_eos: bool = Field(False, description="Generate max_tokens whatever the model says.")
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX, description="EOS and stop tokens wait for this many tokens.")
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1 or 0: off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Drop tokens under min_p x the likeliest's.")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description="transformers'; 1: off.")
+    skip_special_tokens: bool = Field(True, description="Special tokens have no text.")
+    include_stop_str_in_output: bool = Field(False, description="The text ends with the stop string.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, biases: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (biases or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids; received {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100]; received {bias} for token {token}")
+        return biases
 
     @field_validator("stop")
     @classmethod
@@ -60,21 +90,67 @@ class _Sampling(BaseModel):
             do_sample=temperature > 0,
             temperature=temperature if temperature > 0 else 1.0,
             top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
             seed=seed if self.seed is None else self.seed,
             max_new_tokens=self.max_new_tokens(max_iter_times),
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             stop_token_ids=list(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=self.top_logprobs_wanted,
+            prompt_logprobs=self.prompt_logprobs_wanted,
         )
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives listed per generated token; None: no log-probabilities."""
+        return None
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Alternatives listed per prompt token; None: the prompt is not listed."""
+        return None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] = Field(description="Text, token ids, or a list of one text.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Log-probabilities, with this many alternatives.")
+    echo: bool = Field(False, description="The prompt comes first in the text (and in logprobs).")
+
+    @property
+    def prompt_text(self) -> str | None:
+        """The prompt as text, when it was given as text."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if isinstance(self.prompt[0], str) else None
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """With echo: the prompt's tokens when log-probabilities are asked for, or when only they give its text."""
+        if not self.echo:
+            return None
+        return self.logprobs if self.logprobs is not None else (0 if self.prompt_text is None else None)
 
     @field_validator("prompt")
     @classmethod
@@ -110,6 +186,18 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Wins over max_tokens.")
+    logprobs: bool = Field(False, description="Each token's log-probability.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: this many alternatives.")
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self, max_iter_times: int) -> int:
         return self.max_completion_tokens or self.max_tokens or max_iter_times
@@ -121,10 +209,35 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions' log-probabilities: one entry per token, offsets into the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: the prompt's first token, with echo
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, infos: list[TokenInfo], offset: int = 0) -> CompletionLogprobs:
+        """For these tokens, the first of which starts at `offset` of the choice's text."""
+        offsets = []
+        for info in infos:
+            offsets.append(offset)
+            offset += len(info.text)
+        return cls(
+            tokens=[info.text for info in infos],
+            token_logprobs=[info.logprob for info in infos],
+            top_logprobs=[
+                None if info.logprob is None else {top.text: top.logprob for top in info.top} for info in infos
+            ],
+            text_offset=offsets,
+        )
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -142,10 +255,38 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's text as UTF-8
+
+    @classmethod
+    def of(cls, info: TokenInfo) -> TopLogprob:
+        return cls(token=info.text, logprob=info.logprob, bytes=list(info.text.encode()))
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+    @classmethod
+    def of(cls, infos: list[TokenInfo]) -> ChatLogprobs:
+        return cls(
+            content=[
+                ChatTokenLogprob(**TopLogprob.of(info).model_dump(), top_logprobs=[TopLogprob.of(t) for t in info.top])
+                for info in infos
+            ]
+        )
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -166,7 +307,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

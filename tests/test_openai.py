@@ -10,6 +10,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
+
+from tests.reference import bundled
 
 MODEL = "tokenrelay-tiny"
 PROMPT = "The following example"  # greedy: no EOS for hundreds of tokens
@@ -91,8 +94,103 @@ def test_errors_come_in_openai_shape(server, client):
     with pytest.raises(openai.BadRequestError) as two:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2)
     assert "n" in two.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as penalty:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, presence_penalty=0.5)
-    assert "presence_penalty is not a known field" in penalty.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as suffix:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, suffix="!")
+    assert "suffix is not a known field" in suffix.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bias:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={"32000": 1})
+    assert "logit_bias: token id 32000 is outside the vocabulary [0, 32000)" in bias.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as alone:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    assert "top_logprobs requires logprobs" in alone.value.body["message"]
     raw = httpx.post(server.url("/v1/chat/completions"), json={"model": MODEL, "messages": []}, timeout=10)
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _reference_logprobs(prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens after `prompt`, and log-softmax of its own forward pass at every position."""
+    loaded = bundled()
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)[0]
+        logits = loaded.model(out[None]).logits[0]
+    return out[len(prompt) :].tolist(), logits.float().log_softmax(dim=-1)
+
+
+def test_completion_logprobs_with_echo_are_transformers_own_in_and_out_of_a_stream(client):
+    prompt = bundled().tokenizer(PROMPT)["input_ids"]
+    generated, expected = _reference_logprobs(prompt, 6)
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3, echo=True)
+    done = client.completions.create(**ask).choices[0]
+    logprobs = done.logprobs
+    assert len(logprobs.tokens) == len(prompt) + 6 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None
+    assert done.text == "".join(logprobs.tokens)  # the prompt's pieces, then the completion
+    decode = bundled().tokenizer.decode
+    assert logprobs.tokens == [decode([t]) for t in prompt + generated]
+    for position, token in enumerate(prompt + generated):
+        if position == 0:
+            continue
+        value = logprobs.token_logprobs[position]
+        assert value == pytest.approx(expected[position - 1, token].item(), abs=1e-4), position
+        top = logprobs.top_logprobs[position]
+        assert len(top) == 3 and max(top.values()) == pytest.approx(expected[position - 1].max().item(), abs=1e-4)
+    for i in range(len(prompt), len(prompt) + 6):  # greedy: the chosen token is the likeliest
+        assert logprobs.token_logprobs[i] == max(logprobs.top_logprobs[i].values())
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+    chunks = [c for c in client.completions.create(**ask, stream=True) if c.choices]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == logprobs.tokens
+    values = [v for lp in streamed for v in lp.token_logprobs]
+    assert values[0] is None and values[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-6)
+    assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
+    assert "".join(c.choices[0].text for c in chunks) == done.text
+
+
+def test_chat_logprobs_and_top_logprobs_in_and_out_of_a_stream(client):
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name a module."}], max_tokens=8, temperature=0)
+    done = client.chat.completions.create(**ask, logprobs=True, top_logprobs=5)
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 5 and entry.top_logprobs[0].logprob == entry.logprob  # greedy
+        assert entry.top_logprobs[0].token == entry.token and entry.bytes == list(entry.token.encode())
+        assert entry.logprob <= 0 and [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+    plain = client.chat.completions.create(**ask, logprobs=True)
+    assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[]] * len(content)
+    assert client.chat.completions.create(**ask).choices[0].logprobs is None
+
+    chunks = list(client.chat.completions.create(**ask, logprobs=True, top_logprobs=5, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-6)
+
+
+def test_vllm_extensions_as_the_sdk_sends_them_in_extra_body(client):
+    """A benchmark's chat stream: exactly max_tokens tokens, usage in every chunk."""
+    extra = {"ignore_eos": True, "min_tokens": 20, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=20,
+            stop=None,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body=extra | {"skip_special_tokens": False, "include_stop_str_in_output": False},
+        )
+    )
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 20 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_logit_bias_of_100_makes_every_greedy_token_that_token(client):
+    token = bundled().tokenizer("hello")["input_ids"][-1]
+    done = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=0, logit_bias={str(token): 100}
+    )
+    assert done.choices[0].logprobs.tokens == [bundled().tokenizer.decode([token])] * 5

@@ -10,7 +10,10 @@ import json
 
 import httpx
 import pytest
+import torch
 from huggingface_hub import InferenceClient
+
+from tests.reference import bundled
 
 MODEL = "tokenrelay-tiny"
 PROMPT = "The following example"  # greedy: no EOS for hundreds of tokens
@@ -52,6 +55,30 @@ def test_a_stream_carries_one_token_per_event_and_the_text_and_details_last(clie
     assert all(e.generated_text is None for e in events[:-1]) and events[-1].generated_text == expected
     assert (events[-1].details.finish_reason, events[-1].details.generated_tokens) == ("length", 12)
     assert "".join(client.text_generation(PROMPT, max_new_tokens=12, stream=True)) == expected
+
+
+def test_token_details_carry_transformers_own_log_probabilities_and_the_likeliest_tokens(client, expected):
+    prompt = bundled().tokenizer(PROMPT)["input_ids"]
+    with torch.inference_mode():
+        generated = bundled().model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0]
+        logprobs = bundled().model(generated[None]).logits[0].float().log_softmax(dim=-1)
+    out = client.text_generation(PROMPT, max_new_tokens=6, details=True, decoder_input_details=True, top_n_tokens=3)
+    tokens = generated.tolist()
+    assert [t.id for t in out.details.prefill] == prompt and out.details.prefill[0].logprob is None
+    for position, token in enumerate(out.details.prefill[1:] + out.details.tokens, start=1):
+        assert token.id == tokens[position]
+        assert token.logprob == pytest.approx(logprobs[position - 1, token.id].item(), abs=1e-4), position
+    tops = [[_fields(t) for t in top] for top in out.details.top_tokens]  # the client leaves these as dicts
+    for token, top in zip(out.details.tokens, tops, strict=True):
+        assert len(top) == 3 and top[0]["id"] == token.id and top[0]["logprob"] == token.logprob  # greedy
+    events = list(client.text_generation(PROMPT, max_new_tokens=6, stream=True, details=True, top_n_tokens=2))
+    assert [e.token.logprob for e in events] == pytest.approx([t.logprob for t in out.details.tokens], abs=1e-6)
+    streamed = [[_fields(t)["id"] for t in e.top_tokens] for e in events]
+    assert streamed == [[t["id"] for t in top[:2]] for top in tops]
+
+
+def _fields(token) -> dict:
+    return token if isinstance(token, dict) else vars(token)
 
 
 def test_a_stop_string_ends_the_text_before_it(client, expected):

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection
 
-from gateway.errors import openai_error_body
+from gateway.errors import VALIDATION_ERROR, ApiError, openai_error_body
 from gateway.generation import check_prompt_tokens, complete, sse_response, stream
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
@@ -30,8 +30,10 @@ from schemas.openai import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     ModelCard,
@@ -61,6 +63,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatCompletionRequest) -> InFlight:
     service: GatewayService = connection.app.state.gateway
     model = service.resolve(body.model)
+    outside = [token for token in body.logit_bias or {} if int(token) >= model.vocab_size]
+    if outside:
+        raise ApiError(
+            400,
+            VALIDATION_ERROR,
+            f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model.vocab_size})",
+        )
     prompt: dict = {}
     if isinstance(body, ChatCompletionRequest):
         prompt["chat_messages"] = [m.as_message() for m in body.messages]
@@ -78,25 +87,37 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
 
 
 async def _chunks(
-    connection: HTTPConnection, inflight: InFlight, render, include_usage: bool, first: dict | None = None
+    connection: HTTPConnection,
+    inflight: InFlight,
+    render,
+    body: CompletionRequest | ChatCompletionRequest,
+    first: dict | None = None,
 ) -> AsyncIterator[dict]:
-    """The request's events as OpenAI chunks (`render(event)` makes one); an error before the first raises."""
+    """The request's events as OpenAI chunks (`render(event)` makes one), after `first` if given; usage as
+    the body's stream_options ask. An error before the first event raises."""
     service: GatewayService = connection.app.state.gateway
     events = await stream(service, inflight, connection)
 
     async def chunks() -> AsyncIterator[dict]:
-        prompt_tokens, generated = 0, 0
-        if first is not None:
-            yield first
+        prompt_tokens, generated, opening = 0, 0, first
+
+        def counted(chunk: dict) -> dict:
+            if body.continuous_usage:
+                chunk["usage"] = _usage(prompt_tokens, generated).model_dump()
+            return chunk
+
         async with aclosing(events):
             async for event in events:
                 if event.error is not None:
                     yield openai_error_body(event.error.status, event.error.error_type, event.error.message)
                     return
                 prompt_tokens = event.prompt_tokens or prompt_tokens
+                if opening is not None:  # once the first event tells the prompt's length
+                    yield counted(opening)
+                    opening = None
                 generated += len(event.token_ids)
-                yield render(event)
-        if include_usage:
+                yield counted(render(event))
+        if body.include_usage:
             yield render(None) | {"choices": [], "usage": _usage(prompt_tokens, generated).model_dump()}
 
     return chunks()
@@ -114,18 +135,45 @@ def _with_done(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return sse_response(objects(), space=True)
 
 
+class _CompletionText:
+    """A completion's text and log-probabilities, events at a time; with echo the prompt comes first."""
+
+    def __init__(self, body: CompletionRequest) -> None:
+        self._body = body
+        self._offset = 0  # where the next token starts in the choice's text
+        self._started = False
+
+    def of(self, events: list[TokenEvent]) -> tuple[str, CompletionLogprobs | None]:
+        text, infos = "", []
+        for event in events:
+            if self._body.echo and not self._started:
+                prompt = event.prompt or []
+                given = self._body.prompt_text
+                text += given if given is not None else "".join(token.text for token in prompt)
+                infos += prompt if self._body.logprobs is not None else []
+            self._started = True
+            text += event.text
+            infos += event.logprobs or []
+        if self._body.logprobs is None:
+            return text, None
+        logprobs = CompletionLogprobs.of(infos, self._offset)
+        self._offset += sum(len(token.text) for token in infos)
+        return text, logprobs
+
+
 async def completion_chunks(connection: HTTPConnection, body: CompletionRequest) -> AsyncIterator[dict]:
     """A streamed completion's chunks (also what the WebSocket sends)."""
     inflight = await _submit(connection, body)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    pieces = _CompletionText(body)
 
     def chunk(event: TokenEvent | None) -> dict:
-        choice = CompletionChoice(
-            index=0, text=event.text if event else "", finish_reason=_finish_reason(event and event.finish_reason)
-        )
+        text, logprobs = pieces.of([event]) if event else ("", None)
+        finish = _finish_reason(event and event.finish_reason)
+        choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)
         return Completion(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump()
 
-    return await _chunks(connection, inflight, chunk, body.include_usage)
+    return await _chunks(connection, inflight, chunk, body)
 
 
 async def chat_chunks(connection: HTTPConnection, body: ChatCompletionRequest) -> AsyncIterator[dict]:
@@ -136,13 +184,15 @@ async def chat_chunks(connection: HTTPConnection, body: ChatCompletionRequest) -
     def chunk(event: TokenEvent | None, delta: Delta | None = None) -> dict:
         if delta is None:
             delta = Delta(content=event.text) if event else Delta()
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=_finish_reason(event and event.finish_reason))
+        logprobs = ChatLogprobs.of(event.logprobs or []) if event and body.logprobs else None
+        finish = _finish_reason(event and event.finish_reason)
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
         return ChatCompletionChunk(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump(
             exclude_none=True
         )
 
     role = chunk(None, Delta(role="assistant", content=""))
-    return await _chunks(connection, inflight, chunk, body.include_usage, first=role)
+    return await _chunks(connection, inflight, chunk, body, first=role)
 
 
 @router.post(
@@ -157,7 +207,8 @@ async def completions(body: CompletionRequest, request: Request):
     inflight = await _submit(request, body)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     done = await complete(request.app.state.gateway, inflight, request)
-    choice = CompletionChoice(index=0, text=done.text, finish_reason=_finish_reason(done.finish_reason))
+    text, logprobs = _CompletionText(body).of(done.events)
+    choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=_finish_reason(done.finish_reason))
     usage = _usage(done.prompt_tokens, len(done.token_ids))
     return Completion(id=completion_id, created=created, model=body.model, choices=[choice], usage=usage)
 
@@ -177,8 +228,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     inflight = await _submit(request, body)
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     done = await complete(request.app.state.gateway, inflight, request)
+    logprobs = ChatLogprobs.of([info for e in done.events for info in e.logprobs or ()]) if body.logprobs else None
     choice = ChatChoice(
-        index=0, message=AssistantMessage(content=done.text), finish_reason=_finish_reason(done.finish_reason)
+        index=0,
+        message=AssistantMessage(content=done.text),
+        logprobs=logprobs,
+        finish_reason=_finish_reason(done.finish_reason),
     )
     usage = _usage(done.prompt_tokens, len(done.token_ids))
     return ChatCompletion(id=completion_id, created=created, model=body.model, choices=[choice], usage=usage)
