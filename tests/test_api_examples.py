@@ -15,6 +15,8 @@ import pytest
 
 from tests.processes import metric, serving
 from tests.spec_examples import (
+    GENERATE,
+    GENERATE_MODEL,
     GENERATE_STREAM,
     GENERATE_STREAM_MODEL,
     GENERATE_STREAM_MULTIMODAL,
@@ -84,6 +86,20 @@ def test_infer_token_example_streamed_and_its_drawn_seed_reproduces_it(server):
     replay = httpx.post(server.url("/infer_token"), json=again, timeout=60).json()
     assert replay["generated_text"] == last["generated_text"]
     assert replay["details"] == last["details"]
+
+
+def test_generate_example_and_with_priority_and_timeout_as_its_sibling_routes_take_them(server):
+    url = server.url(f"/v2/models/{GENERATE_MODEL}/generate")
+    answer = httpx.post(url, json=GENERATE, timeout=60)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert set(body) == {"id", "model_name", "model_version", "text_output", "details"} and body["id"] == "a123"
+    assert body["model_name"] == GENERATE_MODEL and body["text_output"]
+    assert body["details"]["finish_reason"] in ("length", "eos_token")
+    queued = {**GENERATE, "parameters": {**GENERATE["parameters"], "priority": 1, "timeout": 30}}
+    again = httpx.post(url, json=queued, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["text_output"] == body["text_output"]  # seeded: the same draw, whatever its priority
 
 
 def test_generate_stream_example(server):
