@@ -92,15 +92,17 @@ async def start(
     truncate: int | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    grammar: str | None = None,
 ) -> InFlight:
-    """Resolve the model, check the prompt, publish the request (asking for these log-probabilities, if any)."""
+    """Resolve the model, check the prompt, publish the request (asking for these log-probabilities, if any,
+    and constrained to this grammar, if any)."""
     model = service.resolve(model_name)
     if token_ids is not None:
         check_prompt_tokens(model, token_ids)
     sampling = parameters.sampling(seed=service.draw_seed())
     return await service.submit(
         model,
-        sampling.model_copy(update={"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}),
+        sampling.model_copy(update={"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "grammar": grammar}),
         prompt_text=text,
         prompt_token_ids=token_ids,
         priority=parameters.given("priority"),

@@ -56,6 +56,9 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = []  # generation ends with the first of these tokens (finish stop_sequence)
     include_stop_str_in_output: bool = False  # the text ends with the stop string rather than before it
     skip_special_tokens: bool = True  # special tokens have no text
+    # Structured output: an llguidance grammar (JSON) the text must match; the gateway makes it from a JSON
+    # schema or a regex and checks it (gateway/grammars.py); None: free text.
+    grammar: str | None = None
     # Each generated token's log-probability, and this many of the likeliest alternatives'; None: none.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # The prompt token by token, with log-probabilities and this many alternatives each; None: not listed.

@@ -31,6 +31,28 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = Field(False, description="vLLM's: usage so far in every chunk.")
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = BODY
+
+    name: str = Field(max_length=64, description="The schema's name.")
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema", description="The JSON schema answers match.")
+    strict: bool | None = Field(None, description="Answers always match the schema here, strict or not.")
+
+
+class ResponseFormat(BaseModel):
+    model_config = BODY
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema.")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
 class _Sampling(BaseModel):
     model_config = BODY
 
@@ -59,6 +81,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, description="transformers'; 1: off.")
     skip_special_tokens: bool = Field(True, description="Special tokens have no text.")
     include_stop_str_in_output: bool = Field(False, description="The text ends with the stop string.")
+    response_format: ResponseFormat | None = Field(None, description="JSON answers: any object, or a schema's.")
 
     @field_validator("logit_bias")
     @classmethod
@@ -83,7 +106,7 @@ class _Sampling(BaseModel):
     def max_new_tokens(self, max_iter_times: int) -> int:
         return self.max_tokens or max_iter_times
 
-    def sampling(self, seed: int, max_iter_times: int) -> SamplingParams:
+    def sampling(self, seed: int, max_iter_times: int, grammar: str | None = None) -> SamplingParams:
         """As OpenAI means them: temperature 1 (sampling) unless 0 (greedy) is asked for."""
         temperature = 1.0 if self.temperature is None else self.temperature
         return SamplingParams(
@@ -106,6 +129,7 @@ class _Sampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=self.top_logprobs_wanted,
             prompt_logprobs=self.prompt_logprobs_wanted,
+            grammar=grammar,
         )
 
     @property

@@ -30,6 +30,15 @@ MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
+class TgiGrammar(BaseModel):
+    """Structured output, as TGI takes it: a JSON schema (object or JSON text) or a regex."""
+
+    model_config = STRICT
+
+    type: Literal["json", "regex"]
+    value: dict | str = Field(description="The JSON schema, or the regex.")
+
+
 class TgiParameters(RouteParameters):
     details: Details = None
     decoder_input_details: bool | None = Field(None, description="Also the prompt's tokens (not with a stream).")
@@ -48,6 +57,7 @@ class TgiParameters(RouteParameters):
         None, ge=0, le=MAX_TOP_N_TOKENS, description="List this many likeliest tokens at each position."
     )
     watermark: Watermark = None
+    grammar: TgiGrammar | None = Field(None, description="The text matches this JSON schema or regex.")
 
     @field_validator("typical_p")
     @classmethod

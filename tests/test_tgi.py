@@ -7,8 +7,10 @@ answer must be exactly that text.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from huggingface_hub import InferenceClient
@@ -79,6 +81,31 @@ def test_token_details_carry_transformers_own_log_probabilities_and_the_likelies
 
 def _fields(token) -> dict:
     return token if isinstance(token, dict) else vars(token)
+
+
+def test_a_grammar_of_json_or_regex_shapes_the_text(client):
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}, "kind": {"enum": ["a", "b"]}},
+        "required": ["id", "kind"],
+        "additionalProperties": False,
+    }
+    for seed in (1, 2, 3):
+        text = client.text_generation(
+            PROMPT, max_new_tokens=30, do_sample=True, seed=seed, grammar={"type": "json", "value": schema}
+        )
+        jsonschema.validate(json.loads(text), schema)
+        dated = client.text_generation(
+            PROMPT,
+            max_new_tokens=30,
+            do_sample=True,
+            seed=seed,
+            grammar={"type": "regex", "value": r"20[0-9]{2}-(0[1-9]|1[0-2])"},
+        )
+        assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])", dated), dated
+    with pytest.raises(Exception) as broken:  # the client raises its own error type for a 422
+        client.text_generation(PROMPT, max_new_tokens=3, grammar={"type": "regex", "value": "[0-9"})
+    assert "parameters.grammar.value" in str(broken.value) and "unclosed character class" in str(broken.value)
 
 
 def test_a_stop_string_ends_the_text_before_it(client, expected):

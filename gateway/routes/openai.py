@@ -19,6 +19,7 @@ from starlette.requests import HTTPConnection
 
 from gateway.errors import VALIDATION_ERROR, ApiError, openai_error_body
 from gateway.generation import check_prompt_tokens, complete, sse_response, stream
+from gateway.grammars import json_object_grammar, json_schema_grammar
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.service import GatewayService
@@ -80,10 +81,20 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
         prompt["prompt_token_ids"] = body.prompt
     return await service.submit(
         model,
-        body.sampling(service.draw_seed(), model.max_iter_times),
+        body.sampling(service.draw_seed(), model.max_iter_times, _grammar(body)),
         priority=body.priority,
         **prompt,
     )
+
+
+def _grammar(body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """What response_format asks the text to match, as a grammar (gateway/grammars.py)."""
+    answer = body.response_format
+    if answer is None or answer.type == "text":
+        return None
+    if answer.type == "json_object":
+        return json_object_grammar("response_format")
+    return json_schema_grammar(answer.json_schema.schema_, "response_format.json_schema.schema")
 
 
 async def _chunks(

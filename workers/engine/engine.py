@@ -64,11 +64,16 @@ class Model(Protocol):
 
     def runner(self, config: EngineConfig, capture: Any = None) -> Runner: ...
 
+    def grammars(self) -> Any:
+        """A workers/engine/grammar.py Grammars for its tokenizer; None: structured output is not served."""
+
 
 @dataclass(frozen=True)
 class _Submit:
     request: GenerationRequest
     received_at: float
+    matcher: Any = None  # its grammar compiled: an llguidance LLMatcher
+    refusal: str | None = None  # why its grammar could not be compiled
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Engine:
         self._on_step = on_step
         self._on_cache = on_cache
         self._runner = loaded.runner(config, graph_capture)
+        self._grammars = loaded.grammars()
         capacity = self._runner.num_blocks * config.block_size
         if capacity < config.max_seq_len:
             raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_seq_len {config.max_seq_len}")
@@ -150,13 +156,29 @@ class Engine:
         if self._thread.is_alive():
             self._inbox.put(_STOP)
             self._thread.join(timeout=30)
+        if self._grammars is not None:
+            self._grammars.close()
 
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     def submit(self, request: GenerationRequest, received_at: float) -> None:
-        """Queue a request; its events come out of `on_step`. Thread-safe."""
-        self._inbox.put(_Submit(request, received_at))
+        """Queue a request; its events come out of `on_step`. Thread-safe. A request with a grammar
+        is queued once the grammar is compiled, which neither the caller nor the engine thread waits for."""
+        grammar = request.sampling.grammar
+        if grammar is None:
+            self._inbox.put(_Submit(request, received_at))
+        elif self._grammars is None:
+            self._inbox.put(_Submit(request, received_at, refusal="this worker's model cannot constrain its output"))
+        else:
+
+            def compiled(matcher) -> None:
+                refused = isinstance(matcher, Exception)
+                self._inbox.put(
+                    _Submit(request, received_at, None if refused else matcher, str(matcher) if refused else None)
+                )
+
+            self._grammars.compile(grammar, compiled)
 
     def cancel(self, request_id: str) -> None:
         """End a request within one step, with finish_reason stop_sequence. Thread-safe."""
@@ -198,7 +220,7 @@ class Engine:
             sequence = self._sequences.get(command.request_id)
             return [self._end(sequence, FinishReason.STOP_SEQUENCE)] if sequence else []
         try:
-            sequence = self._admit(command.request, command.received_at)
+            sequence = self._admit(command)
         except _Rejected as rejected:
             return [rejected.event]
         if sequence.generated and self._out_of_room(sequence, len(sequence.generated)):
@@ -208,8 +230,11 @@ class Engine:
         self._scheduler.add(sequence)
         return []
 
-    def _admit(self, request: GenerationRequest, received_at: float) -> Sequence:
+    def _admit(self, submitted: _Submit) -> Sequence:
+        request, received_at = submitted.request, submitted.received_at
         tokenizer = self._loaded.tokenizer
+        if submitted.refusal is not None:
+            raise _Rejected(request, f"the grammar cannot be applied: {submitted.refusal}")
         if request.prompt_token_ids is not None:
             prompt_ids = request.prompt_token_ids
             invalid = [t for t in prompt_ids if not 0 <= t < self._loaded.vocab_size]
@@ -239,6 +264,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids, request.sampling.skip_special_tokens),
             stop_strings=StopStrings(request.sampling.stop, request.sampling.include_stop_str_in_output),
             received_at=received_at,
+            matcher=submitted.matcher,
         )
         sequence.replay(request.generated_token_ids)  # the text goes on exactly where the client's stopped
         if self._on_cache is not None:
@@ -344,7 +370,7 @@ class Engine:
         return events
 
     def _finish_reason(self, sequence: Sequence, token: int) -> FinishReason | None:
-        if token in self._loaded.eos_token_ids and not sequence.request.sampling.ignore_eos:
+        if token in self._loaded.eos_token_ids and (not sequence.request.sampling.ignore_eos or sequence.grammar_done):
             return FinishReason.EOS_TOKEN
         if token in sequence.request.sampling.stop_token_ids:
             return FinishReason.STOP_SEQUENCE

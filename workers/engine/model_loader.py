@@ -38,6 +38,12 @@ class LoadedModel:
 
         return ModelRunner(self, config, capture)
 
+    def grammars(self):
+        """What compiles structured-output grammars for this model's tokenizer (workers/engine/grammar.py)."""
+        from workers.engine.grammar import Grammars
+
+        return Grammars(self.tokenizer, self.model.get_output_embeddings().weight.shape[0])
+
 
 @dataclass(frozen=True)
 class KVGeometry:

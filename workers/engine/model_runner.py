@@ -29,6 +29,7 @@ from schemas.messages import SamplingParams
 from workers.engine.attention import IMPLEMENTATION, KERNELS, PagedBatch, PromptChunk, kernels_for
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
+from workers.engine.grammar import allowed_tokens
 from workers.engine.model_loader import KVGeometry, LoadedModel
 from workers.engine.output_head import OutputHead
 from workers.engine.sampler import Draw, DrawBatch, choose, sample, score
@@ -219,7 +220,8 @@ class ModelRunner:
         """One engine step: compute the chunks, then draw the next token of each chunk in `drawing`."""
         # The draws' parameters go to the device before the forward pass, so that nothing waits for it
         # until the tokens are read.
-        draws = DrawBatch.of([_draw(c, self._eos) for c in drawing], self.head.vocab_size, self._device)
+        vocab = self.head.vocab_size
+        draws = DrawBatch.of([_draw(c, self._eos, vocab) for c in drawing], vocab, self._device)
         step = layout_step(chunks, self.block_size)
         prompt = PromptScoring.of(chunks, step)
         hidden = self.forward(replace(step, sample_rows=step.sample_rows + prompt.rows))
@@ -379,7 +381,7 @@ class ModelRunner:
         return graphs
 
 
-def _draw(chunk: Chunk, eos: frozenset[int]) -> Draw:
+def _draw(chunk: Chunk, eos: frozenset[int], vocab_size: int) -> Draw:
     sequence = chunk.sequence
     params = sequence.request.sampling
     # The token history is only read for penalties; do not copy it otherwise.
@@ -387,4 +389,5 @@ def _draw(chunk: Chunk, eos: frozenset[int]) -> Draw:
     generated = sequence.generated if params.presence_penalty or params.frequency_penalty else ()
     early = sequence.next_index < params.min_tokens
     banned = [*(() if params.ignore_eos else eos), *params.stop_token_ids] if early else ()
-    return Draw(params, history, sequence.next_index, generated, banned)
+    allowed = allowed_tokens(sequence.matcher, vocab_size) if sequence.matcher is not None else None
+    return Draw(params, history, sequence.next_index, generated, banned, allowed)

@@ -3,7 +3,8 @@
 Every row's logits first get its penalties and biases: the repetition
 penalty (transformers'), then additions to single tokens (OpenAI's presence
 and frequency penalties over the tokens generated so far, logit_bias, and
--inf for EOS and stop tokens before min_tokens). Greedy rows take the argmax.
+-inf for EOS and stop tokens before min_tokens), and rows with a grammar
+lose every token it does not allow (grammar.py). Greedy rows take the argmax.
 Sampling rows go through temperature, top-k, top-p, min-p and typical-p as
 transformers applies them, then draw with the
 exponential race (argmax of p / E, E ~ Exp(1)), which picks token i with
@@ -50,6 +51,7 @@ class Draw:
     index: int  # the request-wide index of the token drawn
     generated: Sequence[int] = ()  # generated so far, for the presence and frequency penalties
     banned: Sequence[int] = ()  # tokens it may not draw (EOS and stop tokens before min_tokens)
+    allowed: torch.Tensor | None = None  # with a grammar: the tokens it allows, a bitmask (grammar.allowed_tokens)
 
 
 def noise_seed(seed: int, token_index: int) -> int:
@@ -70,6 +72,8 @@ class DrawBatch:
     # Additions to single logits: flat indices (row * vocab + token) and what each adds (float64)
     added_at: torch.Tensor | None
     added: torch.Tensor | None
+    grammar_rows: torch.Tensor | None  # the rows with a grammar
+    allowed: torch.Tensor | None  # their bitmasks [grammar rows, ceil(vocab / 32)] int32
     sampling: torch.Tensor | None  # the rows that sample; None: none does
     noise_seeds: torch.Tensor | None  # per sampling row: noise_seed(seed, index) as int64 (two's complement)
     plain: list[int]  # rows that take the plain argmax (no sampling, no penalty, no log-probabilities)
@@ -100,21 +104,30 @@ class DrawBatch:
             for token in set(d.token_ids)
         ]
         added = _additions(draws, vocab)
-        indices = [*sampling, *seeds, *seen, *added]
+        grammar_rows = [row for row, d in enumerate(draws) if d.allowed is not None]
+        indices = [*sampling, *seeds, *seen, *grammar_rows, *added]
         indices = to_device(torch.tensor(indices, dtype=torch.long), device)  # one copy
         after_seen = 2 * len(sampling) + len(seen)
+        after_grammar = after_seen + len(grammar_rows)
+        allowed = torch.stack([draws[row].allowed for row in grammar_rows]) if grammar_rows else None
         return cls(
             draws=draws,
             values=to_device(torch.tensor(values, dtype=torch.float64).reshape(-1, 6).T.contiguous(), device),
             seen=indices[2 * len(sampling) : after_seen] if seen else None,
-            added_at=indices[after_seen:] if added else None,
+            added_at=indices[after_grammar:] if added else None,
             added=to_device(torch.tensor(list(added.values()), dtype=torch.float64), device) if added else None,
+            grammar_rows=indices[after_seen:after_grammar] if grammar_rows else None,
+            allowed=to_device(allowed, device) if allowed is not None else None,
             sampling=indices[: len(sampling)] if sampling else None,
             noise_seeds=indices[len(sampling) : 2 * len(sampling)] if sampling else None,
             plain=[
                 row
                 for row, (d, p) in enumerate(zip(draws, params, strict=True))
-                if not p.do_sample and p.repetition_penalty == 1.0 and p.logprobs is None and not _adds(d)
+                if not p.do_sample
+                and p.repetition_penalty == 1.0
+                and p.logprobs is None
+                and d.allowed is None
+                and not _adds(d)
             ],
             scored=[row for row, p in enumerate(params) if p.logprobs is not None],
             typical=any(params[row].typical_p is not None and params[row].typical_p < 1.0 for row in sampling),
@@ -205,6 +218,10 @@ def choose(logits: torch.Tensor, batch: DrawBatch) -> torch.Tensor:
     if batch.added_at is not None:
         scores = scores.clone() if scores is logits else scores
         scores.view(-1).index_add_(0, batch.added_at, batch.added.to(scores.dtype))
+    if batch.grammar_rows is not None:
+        scores = scores.clone() if scores is logits else scores
+        rows = batch.grammar_rows
+        scores[rows] = scores[rows].masked_fill(~_unpacked(batch.allowed, scores.shape[-1]), float("-inf"))
     tokens = scores.argmax(dim=-1)
     if batch.sampling is not None:
         rows = batch.sampling
@@ -250,6 +267,12 @@ def _exponential_noise(seeds: torch.Tensor, vocab: int, like: torch.Tensor) -> t
             for seed in seeds.tolist()
         ]
     )
+
+
+def _unpacked(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """An int32 bitmask [rows, words] (bit t % 32 of word t // 32 is token t) as booleans [rows, vocab]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)[:, :vocab]
 
 
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:

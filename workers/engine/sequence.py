@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenInfo
 from workers.engine.detokenizer import IncrementalDetokenizer
@@ -39,6 +40,7 @@ class Sequence:
     prefix_marks: dict[int, list[int]] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     prompt_scores: list[Scored] = field(default_factory=list)  # [i] scores prompt token i + 1, when asked
+    matcher: Any = None  # an llguidance LLMatcher when the request has a grammar (workers/engine/grammar.py)
 
     @property
     def request_id(self) -> str:
@@ -70,6 +72,13 @@ class Sequence:
         for token_id in token_ids:
             self.generated.append(token_id)
             self.stop_strings.feed(self.detokenizer.add(token_id))
+        if self.matcher is not None:
+            self.matcher.consume_tokens(token_ids)
+
+    @property
+    def grammar_done(self) -> bool:
+        """Whether its grammar is complete: EOS is all it allows."""
+        return self.matcher is not None and self.matcher.is_stopped()
 
     def _text(self, token_id: int | None, finish: FinishReason | None) -> tuple[str, FinishReason | None]:
         """The text an event shows, and why the sequence ends (a stop string reached ends it)."""
@@ -122,6 +131,8 @@ class Sequence:
         waited = ((self.admitted_at or started_at) - self.received_at) if first else started_at - self.last_token_at
         since_previous = now - (self.received_at if first else self.last_token_at)
         self.generated.append(token_id)
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
         text, finish = self._text(token_id, finish)
         self.finish_reason = finish
         event = TokenEvent(

@@ -116,6 +116,10 @@ class SimulatedModel:
     def runner(self, config: EngineConfig, capture=None) -> SimulatedRunner:
         return SimulatedRunner(self.profile, config)
 
+    def grammars(self) -> None:
+        """A simulated model draws its tokens by formula: no grammar can constrain them."""
+        return None
+
     def engine_config(self, config: EngineConfig) -> EngineConfig:
         """`config` with the profile's batch size and step budget where it leaves them open."""
         return replace(

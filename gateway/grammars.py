@@ -1,0 +1,47 @@
+"""Structured output requests as llguidance grammars, checked before any worker sees them.
+
+A JSON schema (OpenAI's response_format, TGI's `grammar` of type json), any
+JSON object (json_object), or a regex (TGI's type regex) becomes an
+llguidance grammar. JSON is compact (no free whitespace between tokens), so
+that a sampled answer cannot wander off into blank lines. llguidance checks
+a grammar without a tokenizer; what it cannot serve (a schema keyword it
+does not implement, a broken regex) is refused here, naming the field and
+the reason, rather than served unconstrained.
+"""
+
+from __future__ import annotations
+
+from llguidance import LLMatcher
+
+from gateway.errors import unprocessable
+
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def json_schema_grammar(schema: dict | str, field: str) -> str:
+    """The grammar of JSON texts that validate against `schema`; 422 naming `field` if it cannot be served."""
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+    except (ValueError, TypeError) as error:
+        raise unprocessable(f"{field}: not a JSON schema: {error}") from None
+    return _checked(grammar, field)
+
+
+def json_object_grammar(field: str) -> str:
+    return json_schema_grammar({"type": "object"}, field)
+
+
+def regex_grammar(regex: str, field: str) -> str:
+    return _checked(LLMatcher.grammar_from_regex(regex), field)
+
+
+def any_of_grammar(schemas: list[dict], field: str) -> str:
+    """JSON that validates against one of these schemas."""
+    return json_schema_grammar({"anyOf": schemas} if len(schemas) > 1 else schemas[0], field)
+
+
+def _checked(grammar: str, field: str) -> str:
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise unprocessable(f"{field}: this server cannot constrain output to it: {error.strip()}")
+    return grammar
