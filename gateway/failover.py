@@ -103,6 +103,7 @@ class Failover:
             request_id=request.request_id,
             attempt=request.attempt,
             delivered_tokens=len(request.generated_token_ids),
+            structured=request.sampling.grammar is not None,
             worker_id=worker,
             reason=reason,
         )

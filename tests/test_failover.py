@@ -15,6 +15,7 @@ import signal
 import time
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.processes import Process, free_port, wait_ready
@@ -51,14 +52,60 @@ class _Stream:
         return self
 
 
-async def _streams(url: str, count: int, while_running=None) -> list[_Stream]:
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "parts": {"type": "array", "items": {"enum": ["head", "body", "tail"]}, "maxItems": 4},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "parts", "size"],
+    "additionalProperties": False,
+}
+
+
+class _StructuredStream:
+    """An OpenAI chat stream whose answer matches SCHEMA, with each token's log-probability."""
+
+    def __init__(self, seed: int) -> None:
+        self.body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": PROMPTS[seed % len(PROMPTS)]}],
+            "max_tokens": 120,
+            "temperature": 1,
+            "seed": seed,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}},
+        }
+        self.text = ""
+        self.tokens: list[tuple[str, float, list[str]]] = []
+
+    async def run(self, client: httpx.AsyncClient, base_url: str) -> None:
+        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=self.body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[len("data: ") :])["choices"][0]
+                    self.text += choice["delta"].get("content") or ""
+                    for entry in (choice.get("logprobs") or {}).get("content") or ():
+                        self.tokens.append(
+                            (entry["token"], entry["logprob"], [t["token"] for t in entry["top_logprobs"]])
+                        )
+
+
+async def _streams(url: str, count: int, while_running=None) -> tuple[list[_Stream], list[_StructuredStream]]:
     streams = [_Stream() for _ in range(count)]
+    structured = [_StructuredStream(seed) for seed in range(8)]
+    base_url = url.split("/v2/")[0]
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
         tasks = [asyncio.create_task(s.run(client, url, _body(i))) for i, s in enumerate(streams)]
+        tasks += [asyncio.create_task(s.run(client, base_url)) for s in structured]
         if while_running is not None:
             await while_running(streams)
         await asyncio.wait_for(asyncio.gather(*tasks), 150)  # none hangs
-    return streams
+    return streams, structured
 
 
 def _joined(worker: Process) -> bool:
@@ -76,7 +123,7 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
         assert time.monotonic() < deadline, [w.log_tail() for w in workers]
         await asyncio.sleep(0.2)
     url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/generate_stream"
-    reference = await _streams(url, 32)
+    reference, reference_structured = await _streams(url, 32)
 
     async def kill_mid_stream(streams: list[_Stream]) -> None:
         while sum(len(s.counts) >= 8 for s in streams) < 24:
@@ -84,15 +131,23 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
         workers[0].popen.send_signal(signal.SIGKILL)
 
     admitted_before = len(workers[0].events_named("request_admitted"))
-    failed = await _streams(url, 32, kill_mid_stream)
+    failed, failed_structured = await _streams(url, 32, kill_mid_stream)
     assert len(workers[0].events_named("request_admitted")) > admitted_before  # it had streams when it died
 
     for i, (expected, got) in enumerate(zip(reference, failed, strict=True)):
         assert got.counts == list(range(1, len(got.counts) + 1)), i  # no token missing, none twice
         assert "".join(got.texts) == "".join(expected.texts) and got.counts == expected.counts, i
+    # Structured streams with log-probabilities: the same tokens and text, log-probabilities equal up to the
+    # float32 rounding of a prefill against decode steps, and answers that still match the schema.
+    for i, (expected, got) in enumerate(zip(reference_structured, failed_structured, strict=True)):
+        jsonschema.validate(json.loads(got.text), SCHEMA)
+        assert got.text == expected.text and [t[0] for t in got.tokens] == [t[0] for t in expected.tokens], i
+        assert [t[1] for t in got.tokens] == pytest.approx([t[1] for t in expected.tokens], abs=1e-4), i
+        assert [t[2] for t in got.tokens] == [t[2] for t in expected.tokens], i
     failovers = gateway.events_named("request_failing_over")
     assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
     assert {f["worker_id"] for f in failovers} == {"w0"}
+    assert sum(f["structured"] for f in failovers) >= 1, [f["structured"] for f in failovers]
 
 
 def test_a_minute_and_a_half_of_chaos_loses_nothing(kafka_bootstrap, topic_prefix, tmp_path):
