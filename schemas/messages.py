@@ -72,6 +72,8 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str
+    tool_calls: list[dict] | None = None  # an assistant's calls, as Hugging Face chat templates take them
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
 class GenerationRequest(_Message):
@@ -84,6 +86,7 @@ class GenerationRequest(_Message):
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
     chat_messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None  # functions the chat template presents (OpenAI's tools)
     truncate: int | None = Field(default=None, gt=0)  # keep only the prompt's last N tokens (TGI)
     sampling: SamplingParams
     priority: int = Field(default=5, ge=1, le=5)

@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from schemas.messages import ChatMessage, SamplingParams, TokenInfo
+from schemas.openai_tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta
 from schemas.parameters import BODY, INT32_MAX
 
 SEED_MAX = 2**63 - 1
@@ -196,13 +197,31 @@ class TextPart(BaseModel):
 class ChatMessageIn(BaseModel):
     model_config = BODY
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = Field(None, description="None only for an assistant's tool calls.")
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls.")
+    tool_call_id: str | None = Field(None, description="A tool's result: the call it answers.")
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessageIn:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def as_message(self) -> ChatMessage:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        return ChatMessage(
+            role="system" if self.role == "developer" else self.role,
+            content=text,
+            tool_calls=[call.for_template() for call in self.tool_calls] if self.tool_calls else None,
+            tool_call_id=self.tool_call_id,
+        )
 
 
 class ChatCompletionRequest(_Sampling):
@@ -212,12 +231,33 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Wins over max_tokens.")
     logprobs: bool = Field(False, description="Each token's log-probability.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: this many alternatives.")
+    tools: list[Tool] | None = Field(None, max_length=128, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without."
+    )
+    parallel_tool_calls: bool = Field(True, description="With tool_choice required: more than one call allowed.")
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be distinct")
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which tools do not declare")
+        if self.tool_choice not in (None, "none", "auto") and self.response_format is not None:
+            raise ValueError("response_format cannot be combined with a tool_choice that forces a call")
         return self
+
+    @property
+    def calls_tools(self) -> Literal["none", "auto", "required", "named"]:
+        """How the answer may call tools: not at all, as the model likes, at least once, or the named one."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -276,7 +316,8 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -311,7 +352,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):
@@ -326,13 +367,14 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletionChunk(BaseModel):

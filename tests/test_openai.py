@@ -16,6 +16,8 @@ import openai
 import pytest
 import torch
 
+from gateway.tool_calls import calls_in
+from schemas.openai import ChatCompletionRequest
 from tests.reference import bundled
 
 MODEL = "tokenrelay-tiny"
@@ -255,3 +257,102 @@ async def test_sampled_answers_to_a_json_schema_all_parse_and_validate(server):
         )
     message = unsupported.value.body["message"]
     assert "response_format.json_schema.schema" in message and "not" in message and "cannot constrain" in message
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": -99, "maximum": 99},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 999},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+async def test_tool_choice_required_makes_every_sampled_answer_a_valid_call(server):
+    client = openai.AsyncOpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    asks = [
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=60,
+            temperature=1,
+            seed=seed,
+        )
+        for seed in range(20)
+    ]
+    for answer in await asyncio.gather(*asks):
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        [call] = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_a_named_function_streams_as_deltas_the_sdk_reassembles_and_its_result_goes_back(client):
+    ask = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Add two numbers."}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=40,
+        temperature=0,
+    )
+    done = client.chat.completions.create(**ask)
+    [call] = done.choices[0].message.tool_calls
+    assert call.function.name == "add" and done.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
+    with client.chat.completions.stream(**ask) as stream:  # the SDK's own reassembly of tool-call deltas
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == ("add", call.function.arguments)
+    assert final.choices[0].finish_reason == "tool_calls"
+    # The call and its result go back through the chat template: both count as prompt tokens.
+    messages = [
+        *ask["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "5"},
+    ]
+    after = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=5, temperature=0)
+    assert after.usage.prompt_tokens > done.usage.prompt_tokens + len(call.function.arguments) // 4
+    assert after.choices[0].message.content is not None and after.choices[0].message.tool_calls is None
+    unknown = dict(ask, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**unknown)
+    assert "'nope', which tools do not declare" in refused.value.body["message"]
+
+
+def test_auto_reads_back_calls_written_in_the_hermes_format_and_leaves_other_text_alone():
+    body = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    written = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>'
+    content, [call] = calls_in(body, written)
+    assert content == "Let me check." and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "C"}
+    assert calls_in(body, "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert calls_in(body, "plain") == ("plain", [])

@@ -32,9 +32,15 @@ OUTPUT_DIR = pathlib.Path(__file__).parent / "bundled_model"
 VOCAB_SIZE = 32000
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, Llama's order
 # A chat template so the OpenAI chat route works with the bundled model too.
+# Tools (OpenAI's, as JSON lines), an assistant's tool calls (<tool_call>{"name", "arguments"}</tool_call>, the
+# Hermes format that gateway/tool_calls.py reads back) and tool results ([call id] result) render too.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
+    "{{ bos_token }}{% if tools %}{{ '<|tools|>\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}"
+    "{% endfor %}{% endif %}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['role'] == 'tool' %}{{ '[' + message['tool_call_id'] + '] ' }}{% endif %}"
+    "{{ message['content'] }}{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
+    " + '</tool_call>' }}{% endfor %}{{ '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 

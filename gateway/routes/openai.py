@@ -23,6 +23,7 @@ from gateway.grammars import json_object_grammar, json_schema_grammar
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.service import GatewayService
+from gateway.tool_calls import call_id, calls_in, tools_grammar
 from schemas.messages import FinishReason, TokenEvent
 from schemas.openai import (
     AssistantMessage,
@@ -42,6 +43,7 @@ from schemas.openai import (
     OpenAIError,
     Usage,
 )
+from schemas.openai_tools import FunctionCallDelta, ToolCallDelta
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
@@ -72,8 +74,12 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
             f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model.vocab_size})",
         )
     prompt: dict = {}
+    grammar = _grammar(body)
     if isinstance(body, ChatCompletionRequest):
         prompt["chat_messages"] = [m.as_message() for m in body.messages]
+        if body.calls_tools != "none":
+            prompt["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+            grammar = grammar or tools_grammar(body)
     elif isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
         prompt["prompt_text"] = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
     else:
@@ -81,7 +87,7 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
         prompt["prompt_token_ids"] = body.prompt
     return await service.submit(
         model,
-        body.sampling(service.draw_seed(), model.max_iter_times, _grammar(body)),
+        body.sampling(service.draw_seed(), model.max_iter_times, grammar),
         priority=body.priority,
         **prompt,
     )
@@ -187,16 +193,59 @@ async def completion_chunks(connection: HTTPConnection, body: CompletionRequest)
     return await _chunks(connection, inflight, chunk, body)
 
 
+class _ChatDeltas:
+    """A streamed chat answer's deltas, event by event: its content, or the calls a tool_choice forces (a named
+    function's arguments as they come; `required` calls once their JSON is whole)."""
+
+    def __init__(self, body: ChatCompletionRequest) -> None:
+        self._body = body
+        self._text = ""  # of a `required` answer, until it is whole
+        self._call_id: str | None = None  # of a named function's call, once announced
+
+    def of(self, event: TokenEvent) -> tuple[Delta, str | None]:
+        finish = _finish_reason(event.finish_reason)
+        mode = self._body.calls_tools
+        if mode == "named":
+            announced, self._call_id = self._call_id is not None, self._call_id or call_id()
+            name = None if announced else self._body.tool_choice.function.name
+            call = ToolCallDelta(
+                index=0,
+                id=None if announced else self._call_id,
+                type=None if announced else "function",
+                function=FunctionCallDelta(name=name, arguments=event.text),
+            )
+            return Delta(tool_calls=[call]), "tool_calls" if finish == "stop" else finish
+        if mode != "required":
+            return Delta(content=event.text), finish
+        self._text += event.text
+        if finish is None:
+            return Delta(), None
+        content, calls = calls_in(self._body, self._text)
+        if not calls:
+            return Delta(content=content), finish
+        deltas = [
+            ToolCallDelta(
+                index=i,
+                id=c.id,
+                type="function",
+                function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments),
+            )
+            for i, c in enumerate(calls)
+        ]
+        return Delta(tool_calls=deltas), "tool_calls"
+
+
 async def chat_chunks(connection: HTTPConnection, body: ChatCompletionRequest) -> AsyncIterator[dict]:
     """A streamed chat completion's chunks (also what the WebSocket sends): the role first."""
     inflight = await _submit(connection, body)
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    deltas = _ChatDeltas(body)
 
     def chunk(event: TokenEvent | None, delta: Delta | None = None) -> dict:
+        finish = None
         if delta is None:
-            delta = Delta(content=event.text) if event else Delta()
+            delta, finish = deltas.of(event) if event else (Delta(), None)
         logprobs = ChatLogprobs.of(event.logprobs or []) if event and body.logprobs else None
-        finish = _finish_reason(event and event.finish_reason)
         choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
         return ChatCompletionChunk(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump(
             exclude_none=True
@@ -240,11 +289,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     done = await complete(request.app.state.gateway, inflight, request)
     logprobs = ChatLogprobs.of([info for e in done.events for info in e.logprobs or ()]) if body.logprobs else None
+    content, calls = calls_in(body, done.text)
+    finish = _finish_reason(done.finish_reason)
     choice = ChatChoice(
         index=0,
-        message=AssistantMessage(content=done.text),
+        message=AssistantMessage(content=content, tool_calls=calls or None),
         logprobs=logprobs,
-        finish_reason=_finish_reason(done.finish_reason),
+        finish_reason="tool_calls" if calls and finish == "stop" else finish,
     )
     usage = _usage(done.prompt_tokens, len(done.token_ids))
     return ChatCompletion(id=completion_id, created=created, model=body.model, choices=[choice], usage=usage)

@@ -286,9 +286,12 @@ class Engine:
         tokenizer = self._loaded.tokenizer
         if not tokenizer.chat_template:
             raise _Rejected(request, "this model has no chat template; use a completion route")
-        messages = [m.model_dump() for m in request.chat_messages or ()]
+        messages = [m.model_dump(exclude_none=True) for m in request.chat_messages or ()]
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+            rendered = tokenizer.apply_chat_template(
+                messages, tools=request.tools, add_generation_prompt=True, tokenize=True
+            )
+            return rendered["input_ids"]
         except Exception as error:  # the template refuses the conversation (roles out of order, ...)
             raise _Rejected(request, f"the chat template cannot render these messages: {error}") from None
 

@@ -61,8 +61,9 @@ class SimulatedTokenizer:
         pieces = (data[i : i + _BYTES_PER_TOKEN] for i in range(0, len(data), _BYTES_PER_TOKEN))
         return {"input_ids": [_SPECIALS + zlib.crc32(p) % _WORDS for p in pieces]}
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
-        text = "".join(f"<{m['role']}> {m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True, tokenize: bool = True):
+        text = "".join(f"<tools> {tool}\n" for tool in tools or ())
+        text += "".join(f"<{m['role']}> {m['content']}\n" for m in messages)
         return self(text + ("<assistant> " if add_generation_prompt else ""))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
