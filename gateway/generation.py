@@ -180,6 +180,62 @@ def error_object(event: TokenEvent) -> dict:
     return {"error": event.error.message, "error_type": event.error.error_type}
 
 
+async def streams(
+    service: GatewayService, inflights: list[InFlight], connection: HTTPConnection
+) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """The events of several requests (OpenAI's `n` choices) as (which, event), as they come.
+
+    An error as any one's first event raises here, and ends the others. The
+    iterator ends when every request has; closing it ends those still running.
+    """
+    opened: list[AsyncIterator[TokenEvent]] = []
+    try:
+        for inflight in inflights:
+            opened.append(await stream(service, inflight, connection))
+    except BaseException:
+        for inflight in inflights:
+            service.finish(inflight)
+        raise
+
+    async def merged() -> AsyncIterator[tuple[int, TokenEvent]]:
+        arrived: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
+
+        async def pump(which: int, events: AsyncIterator[TokenEvent]) -> None:
+            try:
+                async with aclosing(events):
+                    async for event in events:
+                        arrived.put_nowait((which, event))
+            finally:
+                arrived.put_nowait((which, None))
+
+        pumps = [asyncio.create_task(pump(which, events)) for which, events in enumerate(opened)]
+        try:
+            running = len(pumps)
+            while running:
+                which, event = await arrived.get()
+                if event is None:
+                    running -= 1
+                else:
+                    yield which, event
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    return merged()
+
+
+async def complete_all(
+    service: GatewayService, inflights: list[InFlight], connection: HTTPConnection
+) -> list[Completion]:
+    """Every request's answer (OpenAI's `n` choices); an error in any ends the others and raises."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(complete(service, inflight, connection)) for inflight in inflights]
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
 async def stream(service: GatewayService, inflight: InFlight, connection: HTTPConnection) -> AsyncIterator[TokenEvent]:
     """The request's events, once the first has arrived.
 

@@ -6,7 +6,7 @@ that its users' benchmark and evaluation clients send (`ignore_eos`,
 `skip_special_tokens`, `include_stop_str_in_output`,
 `stream_options.continuous_usage_stats`, `priority`: this server's 1–5, 1
 most urgent). Any other field is refused by name (400), so that a client
-never believes a parameter was applied when it was not. `n` must be 1.
+never believes a parameter was applied when it was not.
 
 Log-probabilities are the model's raw ones: log-softmax of its logits, before
 temperature, penalties and filtering (vLLM's default).
@@ -23,6 +23,7 @@ from schemas.openai_tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta
 from schemas.parameters import BODY, INT32_MAX
 
 SEED_MAX = 2**63 - 1
+MAX_CHOICES = 16  # each choice is a request of its own to a worker
 
 
 class StreamOptions(BaseModel):
@@ -61,7 +62,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Default: the server's maxIterTimes.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy; default 1.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default 1.")
-    n: Literal[1] = Field(1, description="Only 1 choice per request is served.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices, sampled apart (seeds derived from `seed`).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, description="Up to 4 strings; the text ends before the first.")

@@ -97,9 +97,9 @@ def test_errors_come_in_openai_shape(server, client):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     assert "nope" in unknown.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as two:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2)
-    assert "n" in two.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as many:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=17)
+    assert "n: Input should be less than or equal to 16" in many.value.body["message"]
     with pytest.raises(openai.BadRequestError) as suffix:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, suffix="!")
     assert "suffix is not a known field" in suffix.value.body["message"]
@@ -356,3 +356,19 @@ def test_auto_reads_back_calls_written_in_the_hermes_format_and_leaves_other_tex
     assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "C"}
     assert calls_in(body, "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     assert calls_in(body, "plain") == ("plain", [])
+
+
+def test_n_choices_are_sampled_apart_reproducible_with_a_seed_and_choice_0_is_the_single_answer(client):
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1, seed=42, extra_body={"ignore_eos": True})
+    four = client.completions.create(**ask, n=4)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and len({c.text for c in four.choices}) == 4
+    assert [c.text for c in client.completions.create(**ask, n=4).choices] == [c.text for c in four.choices]
+    assert client.completions.create(**ask).choices[0].text == four.choices[0].text
+    assert four.usage.completion_tokens == 48
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=1, seed=5, n=3)
+    done = client.chat.completions.create(**chat)
+    streamed = [""] * 3
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [c.message.content for c in done.choices]

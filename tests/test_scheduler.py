@@ -235,3 +235,19 @@ def test_a_named_prefix_is_reported_once_its_block_is_computed_and_gone_once_the
     blocks.free(first)
     blocks.allocate(_sequence([50 + i for i in range(16)], name="c"))  # takes every block, the held ones last
     assert blocks.drain_prefix_changes() == ([], [102, 101])
+
+
+def test_a_twin_prompt_waits_for_its_twins_prefill_and_then_takes_its_kv_from_the_cache():
+    blocks = BlockManager(num_blocks=20, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=8, max_tokens_per_step=64, aging_s=60), blocks)
+    prompt = list(range(10))
+    first, twin, other = _sequence(prompt, name="a"), _sequence(list(prompt), name="b"), _sequence([7] * 9, name="c")
+    for sequence in (first, twin, other):
+        scheduler.add(sequence)
+    chunks = scheduler.schedule()
+    assert [c.sequence.request_id for c in chunks] == ["a", "c"] and twin.status is Status.WAITING
+    for chunk in chunks:
+        _compute(blocks, chunk.sequence)
+        chunk.sequence.generated.append(1)
+    [*_, started] = scheduler.schedule()
+    assert started.sequence is twin and twin.num_cached_tokens == 8 and started.num_tokens == 2

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.errors import VALIDATION_ERROR, ApiError, openai_error_body
-from gateway.generation import check_prompt_tokens, complete, sse_response, stream
+from gateway.generation import check_prompt_tokens, complete_all, sse_response, streams
 from gateway.grammars import json_object_grammar, json_schema_grammar
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
@@ -63,7 +63,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     )
 
 
-async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatCompletionRequest) -> InFlight:
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i draws with seed + i x this: apart, and choice 0 as n=1 draws
+
+
+async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatCompletionRequest) -> list[InFlight]:
+    """One request per choice (`n`), seeds derived from the request's; their prompts' twins wait for the first's
+    KV in a worker's prefix cache (workers/engine/scheduler.py)."""
     service: GatewayService = connection.app.state.gateway
     model = service.resolve(body.model)
     outside = [token for token in body.logit_bias or {} if int(token) >= model.vocab_size]
@@ -85,12 +90,18 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
     else:
         check_prompt_tokens(model, body.prompt)
         prompt["prompt_token_ids"] = body.prompt
-    return await service.submit(
-        model,
-        body.sampling(service.draw_seed(), model.max_iter_times, grammar),
-        priority=body.priority,
-        **prompt,
-    )
+    sampling = body.sampling(service.draw_seed(), model.max_iter_times, grammar)
+    inflights: list[InFlight] = []
+    try:
+        for choice in range(body.n):
+            seed = (sampling.seed + choice * _SEED_STRIDE) % 2**64
+            own = sampling.model_copy(update={"seed": seed})
+            inflights.append(await service.submit(model, own, priority=body.priority, **prompt))
+    except BaseException:
+        for inflight in inflights:
+            service.finish(inflight)
+        raise
+    return inflights
 
 
 def _grammar(body: CompletionRequest | ChatCompletionRequest) -> str | None:
@@ -105,18 +116,19 @@ def _grammar(body: CompletionRequest | ChatCompletionRequest) -> str | None:
 
 async def _chunks(
     connection: HTTPConnection,
-    inflight: InFlight,
+    inflights: list[InFlight],
     render,
     body: CompletionRequest | ChatCompletionRequest,
-    first: dict | None = None,
+    opening=None,
 ) -> AsyncIterator[dict]:
-    """The request's events as OpenAI chunks (`render(event)` makes one), after `first` if given; usage as
-    the body's stream_options ask. An error before the first event raises."""
+    """The choices' events as OpenAI chunks (`render(choice, event)` makes one; `render(None, None)` one without
+    a choice), each choice's led by `opening(choice)` if given; usage as the body's stream_options ask. An
+    error before the first event raises."""
     service: GatewayService = connection.app.state.gateway
-    events = await stream(service, inflight, connection)
+    events = await streams(service, inflights, connection)
 
     async def chunks() -> AsyncIterator[dict]:
-        prompt_tokens, generated, opening = 0, 0, first
+        prompt_tokens, generated, opened = 0, 0, set()
 
         def counted(chunk: dict) -> dict:
             if body.continuous_usage:
@@ -124,18 +136,18 @@ async def _chunks(
             return chunk
 
         async with aclosing(events):
-            async for event in events:
+            async for choice, event in events:
                 if event.error is not None:
                     yield openai_error_body(event.error.status, event.error.error_type, event.error.message)
                     return
                 prompt_tokens = event.prompt_tokens or prompt_tokens
-                if opening is not None:  # once the first event tells the prompt's length
-                    yield counted(opening)
-                    opening = None
+                if opening is not None and choice not in opened:  # once the first event tells the prompt's length
+                    opened.add(choice)
+                    yield counted(opening(choice))
                 generated += len(event.token_ids)
-                yield counted(render(event))
+                yield counted(render(choice, event))
         if body.include_usage:
-            yield render(None) | {"choices": [], "usage": _usage(prompt_tokens, generated).model_dump()}
+            yield render(None, None) | {"choices": [], "usage": _usage(prompt_tokens, generated).model_dump()}
 
     return chunks()
 
@@ -180,17 +192,19 @@ class _CompletionText:
 
 async def completion_chunks(connection: HTTPConnection, body: CompletionRequest) -> AsyncIterator[dict]:
     """A streamed completion's chunks (also what the WebSocket sends)."""
-    inflight = await _submit(connection, body)
+    inflights = await _submit(connection, body)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    pieces = _CompletionText(body)
+    pieces = [_CompletionText(body) for _ in inflights]
 
-    def chunk(event: TokenEvent | None) -> dict:
-        text, logprobs = pieces.of([event]) if event else ("", None)
-        finish = _finish_reason(event and event.finish_reason)
-        choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)
-        return Completion(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump()
+    def chunk(choice: int | None, event: TokenEvent | None) -> dict:
+        choices = []
+        if event is not None:
+            text, logprobs = pieces[choice].of([event])
+            finish = _finish_reason(event.finish_reason)
+            choices.append(CompletionChoice(index=choice, text=text, logprobs=logprobs, finish_reason=finish))
+        return Completion(id=completion_id, created=created, model=body.model, choices=choices).model_dump()
 
-    return await _chunks(connection, inflight, chunk, body)
+    return await _chunks(connection, inflights, chunk, body)
 
 
 class _ChatDeltas:
@@ -236,23 +250,27 @@ class _ChatDeltas:
 
 
 async def chat_chunks(connection: HTTPConnection, body: ChatCompletionRequest) -> AsyncIterator[dict]:
-    """A streamed chat completion's chunks (also what the WebSocket sends): the role first."""
-    inflight = await _submit(connection, body)
+    """A streamed chat completion's chunks (also what the WebSocket sends): each choice's role first."""
+    inflights = await _submit(connection, body)
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    deltas = _ChatDeltas(body)
+    deltas = [_ChatDeltas(body) for _ in inflights]
 
-    def chunk(event: TokenEvent | None, delta: Delta | None = None) -> dict:
-        finish = None
-        if delta is None:
-            delta, finish = deltas.of(event) if event else (Delta(), None)
-        logprobs = ChatLogprobs.of(event.logprobs or []) if event and body.logprobs else None
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
-        return ChatCompletionChunk(id=completion_id, created=created, model=body.model, choices=[choice]).model_dump(
+    def chunk(choice: int | None, event: TokenEvent | None, delta: Delta | None = None) -> dict:
+        choices = []
+        if choice is not None:
+            finish = None
+            if delta is None:
+                delta, finish = deltas[choice].of(event)
+            logprobs = ChatLogprobs.of(event.logprobs or []) if event and body.logprobs else None
+            choices.append(ChatChunkChoice(index=choice, delta=delta, logprobs=logprobs, finish_reason=finish))
+        return ChatCompletionChunk(id=completion_id, created=created, model=body.model, choices=choices).model_dump(
             exclude_none=True
         )
 
-    role = chunk(None, Delta(role="assistant", content=""))
-    return await _chunks(connection, inflight, chunk, body, first=role)
+    def role(choice: int) -> dict:
+        return chunk(choice, None, Delta(role="assistant", content=""))
+
+    return await _chunks(connection, inflights, chunk, body, opening=role)
 
 
 @router.post(
@@ -264,13 +282,16 @@ async def completions(body: CompletionRequest, request: Request):
     """Complete a prompt (OpenAI's legacy completions), at once or as a stream."""
     if body.stream:
         return _with_done(await completion_chunks(request, body))
-    inflight = await _submit(request, body)
+    inflights = await _submit(request, body)
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    done = await complete(request.app.state.gateway, inflight, request)
-    text, logprobs = _CompletionText(body).of(done.events)
-    choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=_finish_reason(done.finish_reason))
-    usage = _usage(done.prompt_tokens, len(done.token_ids))
-    return Completion(id=completion_id, created=created, model=body.model, choices=[choice], usage=usage)
+    answers = await complete_all(request.app.state.gateway, inflights, request)
+    choices = []
+    for index, done in enumerate(answers):
+        text, logprobs = _CompletionText(body).of(done.events)
+        finish = _finish_reason(done.finish_reason)
+        choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish))
+    usage = _usage(answers[0].prompt_tokens, sum(len(done.token_ids) for done in answers))
+    return Completion(id=completion_id, created=created, model=body.model, choices=choices, usage=usage)
 
 
 @router.post(
@@ -285,20 +306,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     """Answer a conversation, rendered with the model's chat template, at once or as a stream."""
     if body.stream:
         return _with_done(await chat_chunks(request, body))
-    inflight = await _submit(request, body)
+    inflights = await _submit(request, body)
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    done = await complete(request.app.state.gateway, inflight, request)
-    logprobs = ChatLogprobs.of([info for e in done.events for info in e.logprobs or ()]) if body.logprobs else None
-    content, calls = calls_in(body, done.text)
-    finish = _finish_reason(done.finish_reason)
-    choice = ChatChoice(
-        index=0,
-        message=AssistantMessage(content=content, tool_calls=calls or None),
-        logprobs=logprobs,
-        finish_reason="tool_calls" if calls and finish == "stop" else finish,
-    )
-    usage = _usage(done.prompt_tokens, len(done.token_ids))
-    return ChatCompletion(id=completion_id, created=created, model=body.model, choices=[choice], usage=usage)
+    answers = await complete_all(request.app.state.gateway, inflights, request)
+    choices = []
+    for index, done in enumerate(answers):
+        infos = [info for event in done.events for info in event.logprobs or ()]
+        content, calls = calls_in(body, done.text)
+        finish = _finish_reason(done.finish_reason)
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=content, tool_calls=calls or None),
+                logprobs=ChatLogprobs.of(infos) if body.logprobs else None,
+                finish_reason="tool_calls" if calls and finish == "stop" else finish,
+            )
+        )
+    usage = _usage(answers[0].prompt_tokens, sum(len(done.token_ids) for done in answers))
+    return ChatCompletion(id=completion_id, created=created, model=body.model, choices=choices, usage=usage)
 
 
 @router.get("/v1/models", response_model=ModelList)

@@ -148,16 +148,32 @@ class Scheduler:
 
     def _admit(self, now: float) -> None:
         self.waiting.sort(key=lambda s: (self._urgency(s, now), s.received_at))
+        deferred: list[Sequence] = []
         while self.waiting:
             candidate = self.waiting.pop(0)
+            if self._twin_computing(candidate):
+                deferred.append(candidate)
+                continue
             urgency = self._urgency(candidate, now)
             while len(self.running) >= self._config.max_batch_size or not self._blocks.can_allocate(candidate):
                 victim = self._victim(candidate.priority, urgency)
                 if victim is None:
                     self.waiting.insert(0, candidate)
+                    self.waiting += deferred
                     return  # nothing less urgent to make room with: wait, and let nothing overtake
                 self._preempt(victim)
             self._start(candidate, urgency, now)
+        self.waiting = deferred
+
+    def _twin_computing(self, candidate: Sequence) -> bool:
+        """Whether a running sequence is computing the same first block of prompt (an OpenAI `n` sibling, or
+        the same prompt sent twice): the candidate waits for it, and then takes that prompt's KV from the
+        prefix cache rather than computing it again."""
+        size = self._blocks.block_size
+        if len(candidate.prompt_ids) <= size or candidate.request.sampling.prompt_logprobs is not None:
+            return False
+        head = candidate.prompt_ids[:size]
+        return any(s.num_cached_tokens < size and s.prompt_ids[:size] == head for s in self.running)
 
     def start_beside(self, sequence: Sequence) -> Chunk | None:
         """Start a waiting sequence while a step of others runs; its first chunk, or None if it must wait.
