@@ -27,6 +27,7 @@ from schemas.parameters import (
 )
 
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
+MAX_BEST_OF = 4  # each sequence is a request of its own to a worker (TGI's default --max-best-of is 2)
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
@@ -58,6 +59,18 @@ class TgiParameters(RouteParameters):
     )
     watermark: Watermark = None
     grammar: TgiGrammar | None = Field(None, description="The text matches this JSON schema or regex.")
+    best_of: int | None = Field(
+        None, gt=0, le=MAX_BEST_OF, description="Sample this many; answer the likeliest (not with seed or stream)."
+    )
+
+    @model_validator(mode="after")
+    def _best_of_samples_unseeded(self) -> TgiParameters:
+        if (self.best_of or 1) > 1:
+            if self.seed is not None:
+                raise ValueError("best_of > 1 cannot be used with a seed: each sequence draws its own")
+            if not self.wants_sampling():
+                raise ValueError("best_of > 1 needs sampling (do_sample, or a sampling parameter)")
+        return self
 
     @field_validator("typical_p")
     @classmethod
@@ -75,9 +88,11 @@ class TgiRequest(BaseModel):
     stream: bool = Field(False, description="On /generate: answer as /generate_stream would.")
 
     @model_validator(mode="after")
-    def _no_input_details_when_streaming(self) -> TgiRequest:
+    def _not_when_streaming(self) -> TgiRequest:
         if self.parameters.decoder_input_details and self.stream:
             raise ValueError("decoder_input_details cannot be used with a stream")
+        if (self.parameters.best_of or 1) > 1 and self.stream:
+            raise ValueError("best_of > 1 cannot be used with a stream")
         return self
 
 
@@ -102,6 +117,19 @@ class TgiDetails(BaseModel):
     prefill: list[PrefillToken] = []
     tokens: list[TgiToken] = []
     top_tokens: list[list[TgiToken]] | None = None  # with top_n_tokens: per generated token
+    best_of_sequences: list[BestOfSequence] | None = None  # with best_of > 1
+
+
+class BestOfSequence(BaseModel):
+    """A sequence best_of sampled and did not answer with."""
+
+    generated_text: str
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken] = []
+    tokens: list[TgiToken] = []
+    top_tokens: list[list[TgiToken]] | None = None
 
 
 class TgiResponse(BaseModel):

@@ -108,6 +108,21 @@ def test_a_grammar_of_json_or_regex_shapes_the_text(client):
     assert "parameters.grammar.value" in str(broken.value) and "unclosed character class" in str(broken.value)
 
 
+def test_best_of_answers_the_likeliest_of_its_samples(client):
+    out = client.text_generation(PROMPT, max_new_tokens=8, do_sample=True, best_of=3, details=True)
+    [*others] = out.details.best_of_sequences
+    assert len(others) == 2 and len({out.details.seed, *(o.seed for o in others)}) == 3
+
+    def total(tokens) -> float:
+        return sum(t.logprob for t in tokens)
+
+    assert all(total(out.details.tokens) >= total(o.tokens) for o in others)
+    assert all(o.generated_tokens == len(o.tokens) for o in others)
+    with pytest.raises(Exception) as seeded:
+        client.text_generation(PROMPT, max_new_tokens=2, do_sample=True, best_of=2, seed=1)
+    assert "best_of > 1 cannot be used with a seed" in str(seeded.value)
+
+
 def test_a_stop_string_ends_the_text_before_it(client, expected):
     stop = expected[5:9]
     out = client.text_generation(PROMPT, max_new_tokens=12, stop=[stop], details=True)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.errors import ErrorBody, unprocessable
-from gateway.generation import complete, error_object, sse_response, start, stream
+from gateway.generation import Completion, complete_all, error_object, sse_response, start, stream
 from gateway.grammars import json_schema_grammar, regex_grammar
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
@@ -67,8 +67,8 @@ async def _submit(connection: HTTPConnection, body: TgiRequest, streaming: bool)
         parameters,
         text=body.inputs,
         truncate=parameters.truncate,
-        # Token details carry log-probabilities: a stream's every token, and the details' tokens.
-        logprobs=(parameters.top_n_tokens or 0) if streaming or parameters.details else None,
+        # Token details carry log-probabilities: a stream's every token, the details' tokens, and best_of ranks by them.
+        logprobs=(parameters.top_n_tokens or 0) if streaming or parameters.details or parameters.best_of else None,
         prompt_logprobs=0 if parameters.decoder_input_details else None,
         grammar=_grammar(parameters.grammar),
     )
@@ -93,6 +93,8 @@ async def stream_objects(connection: HTTPConnection, body: TgiRequest) -> AsyncI
     """Submit the body and render its events as stream objects (an ApiError raises before the first)."""
     if body.parameters.decoder_input_details:
         raise unprocessable("parameters.decoder_input_details cannot be used with a stream")
+    if (body.parameters.best_of or 1) > 1:
+        raise unprocessable("parameters.best_of > 1 cannot be used with a stream")
     service: GatewayService = connection.app.state.gateway
     inflight = await _submit(connection, body, streaming=True)
     events = await stream(service, inflight, connection)
@@ -135,25 +137,49 @@ async def generate(body: TgiRequest, request: Request):
     if body.stream:
         return sse_response(await stream_objects(request, body), space=False)
     service: GatewayService = request.app.state.gateway
-    inflight = await _submit(request, body, streaming=False)
-    done = await complete(service, inflight, request)
-    text = (body.inputs if body.parameters.return_full_text else "") + done.text
-    answer: dict = {"generated_text": text}
+    inflights = []
+    try:
+        for _ in range(body.parameters.best_of or 1):  # each draws its own seed
+            inflights.append(await _submit(request, body, streaming=False))
+    except BaseException:
+        for inflight in inflights:
+            service.finish(inflight)
+        raise
+    answers = await complete_all(service, inflights, request)
+    # best_of: the likeliest sequence wins (highest sum of its tokens' log-probabilities), as in TGI.
+    ranked = sorted(zip(answers, inflights, strict=True), key=lambda pair: -_total_logprob(pair[0]))
+    (done, inflight), others = ranked[0], ranked[1:]
+    answer: dict = {"generated_text": _full_text(body, done)}
     if body.parameters.details:
-        first = done.events[0] if done.events else None
-        answer["details"] = {
-            "finish_reason": _finish(done.finish_reason),
-            "generated_tokens": done.generated_tokens,
-            "seed": _seed(inflight),
-            "prompt_tokens": done.prompt_tokens,
-            "prefill": [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in (first.prompt or [])]
-            if first
-            else [],
-            "tokens": [token for event in done.events for token in _tokens(event)],
-        }
-        if body.parameters.top_n_tokens:
-            answer["details"]["top_tokens"] = [top for event in done.events for top in _top_tokens(event)]
+        answer["details"] = _details(body, done, inflight) | {"prompt_tokens": done.prompt_tokens}
+        if others:
+            answer["details"]["best_of_sequences"] = [
+                {"generated_text": _full_text(body, other)} | _details(body, other, other_inflight)
+                for other, other_inflight in others
+            ]
     return JSONResponse(answer)
+
+
+def _full_text(body: TgiRequest, done: Completion) -> str:
+    return (body.inputs if body.parameters.return_full_text else "") + done.text
+
+
+def _total_logprob(done: Completion) -> float:
+    return sum(info.logprob for event in done.events for info in event.logprobs or ())
+
+
+def _details(body: TgiRequest, done: Completion, inflight: InFlight) -> dict:
+    first = done.events[0] if done.events else None
+    details = {
+        "finish_reason": _finish(done.finish_reason),
+        "generated_tokens": done.generated_tokens,
+        "seed": _seed(inflight),
+        "prefill": [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in (first.prompt or [])] if first else [],
+        "tokens": [token for event in done.events for token in _tokens(event)],
+    }
+    if body.parameters.top_n_tokens:
+        details["top_tokens"] = [top for event in done.events for top in _top_tokens(event)]
+    return details
 
 
 router.post(
