@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection, Request
 
 from gateway.errors import ApiError, unprocessable
+from gateway.grammars import grammar_parameter
 from gateway.inflight import InFlight
 from gateway.media import MediaLoader, MediaRefused
 from gateway.service import GatewayService
@@ -92,10 +93,9 @@ async def start(
     truncate: int | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
-    grammar: str | None = None,
 ) -> InFlight:
-    """Resolve the model, check the prompt, publish the request (asking for these log-probabilities, if any,
-    and constrained to this grammar, if any)."""
+    """Resolve the model, check the prompt, publish the request (asking for these log-probabilities, if any)."""
+    grammar = grammar_parameter(parameters.given("grammar"))
     model = service.resolve(model_name)
     if token_ids is not None:
         check_prompt_tokens(model, token_ids)

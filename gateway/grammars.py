@@ -14,6 +14,7 @@ from __future__ import annotations
 from llguidance import LLMatcher
 
 from gateway.errors import unprocessable
+from schemas.parameters import Grammar
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -45,3 +46,14 @@ def _checked(grammar: str, field: str) -> str:
     if error:
         raise unprocessable(f"{field}: this server cannot constrain output to it: {error.strip()}")
     return grammar
+
+
+def grammar_parameter(grammar: Grammar | None, field: str = "parameters.grammar") -> str | None:
+    """The `grammar` parameter (TGI's shape, on the TGI and MindIE routes) as a grammar."""
+    if grammar is None:
+        return None
+    if grammar.type == "regex":
+        if not isinstance(grammar.value, str):
+            raise unprocessable(f"{field}.value: a regex is a string")
+        return regex_grammar(grammar.value, f"{field}.value")
+    return json_schema_grammar(grammar.value, f"{field}.value")

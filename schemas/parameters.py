@@ -1,13 +1,16 @@
 """The sampling parameters of MindIE's routes: one definition per parameter, one subset per route.
 
 Each route accepts exactly the parameters its source document lists
-(../shared/spec/API.md: "ignores none silently"), so each has a class that
-names them; the ranges are the contract's. `null` means "not given".
+(../shared/spec/API.md: "ignores none silently"), or a sibling route's
+document lists, so each has a class that names them; the ranges are the
+contract's. One extension on every route: `grammar` (structured output, in
+TGI's shape), which no MindIE document has a place for. `null` means "not
+given".
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +51,20 @@ FirstTokenCost = Annotated[
 DecodeTime = Annotated[
     list[Annotated[int, Field(ge=0, le=UINT64_MAX)]] | None,
     Field(description="Recomputation: milliseconds each later token took before the break."),
+]
+
+
+class Grammar(BaseModel):
+    """Structured output, in TGI's shape: the text matches a JSON schema (an object, or JSON text) or a regex."""
+
+    model_config = STRICT
+
+    type: Literal["json", "regex"]
+    value: dict | str = Field(description="The JSON schema, or the regex.")
+
+
+GrammarParameter = Annotated[
+    Grammar | None, Field(description="The text matches this JSON schema or regex (TGI's `grammar`; an extension).")
 ]
 
 
@@ -120,7 +137,11 @@ class _Queueing(RouteParameters):
     timeout: Timeout = None
 
 
-class GenerateParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing):
+class _Structured(RouteParameters):
+    grammar: GrammarParameter = None
+
+
+class GenerateParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing, _Structured):
     """/v2/models/{model}/generate (triton_generate.zh.txt; priority and timeout as its sibling routes have them)."""
 
     top_k: TopKOrOff = None
@@ -128,7 +149,7 @@ class GenerateParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing):
     perf_stat: PerfStat = None
 
 
-class GenerateStreamParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing):
+class GenerateStreamParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing, _Structured):
     """/v2/models/{model}/generate_stream (triton_generate_stream.en.txt; perf_stat as generate has it)."""
 
     top_k: TopK = None
@@ -143,14 +164,14 @@ class GenerateStreamParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing):
         return (self.firstTokenCost is not None) + len(self.decodeTime or ())
 
 
-class InferTokenParameters(_Everywhere, _TypicalP, _Queueing):
+class InferTokenParameters(_Everywhere, _TypicalP, _Queueing, _Structured):
     """/infer_token and /infer (infer_token.en.txt)."""
 
     top_k: TopK = None
     top_p: TopPBelowOne = None
 
 
-class TritonInferParameters(_Everywhere, _BatchSize, _Queueing):
+class TritonInferParameters(_Everywhere, _BatchSize, _Queueing, _Structured):
     """/v2/models/{model}/infer (triton_infer_token.zh.md)."""
 
     top_k: TopK = None

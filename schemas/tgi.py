@@ -15,6 +15,7 @@ from schemas.parameters import (
     STRICT,
     Details,
     DoSample,
+    GrammarParameter,
     MaxNewTokens,
     RepetitionPenalty,
     RouteParameters,
@@ -29,15 +30,6 @@ from schemas.parameters import (
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4  # each sequence is a request of its own to a worker (TGI's default --max-best-of is 2)
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
-
-
-class TgiGrammar(BaseModel):
-    """Structured output, as TGI takes it: a JSON schema (object or JSON text) or a regex."""
-
-    model_config = STRICT
-
-    type: Literal["json", "regex"]
-    value: dict | str = Field(description="The JSON schema, or the regex.")
 
 
 class TgiParameters(RouteParameters):
@@ -58,7 +50,7 @@ class TgiParameters(RouteParameters):
         None, ge=0, le=MAX_TOP_N_TOKENS, description="List this many likeliest tokens at each position."
     )
     watermark: Watermark = None
-    grammar: TgiGrammar | None = Field(None, description="The text matches this JSON schema or regex.")
+    grammar: GrammarParameter = None
     best_of: int | None = Field(
         None, gt=0, le=MAX_BEST_OF, description="Sample this many; answer the likeliest (not with seed or stream)."
     )

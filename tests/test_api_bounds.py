@@ -127,6 +127,20 @@ def test_other_fields_are_checked_too(server, route, body, field):
     assert refused.status_code == 422 and field in refused.json()["error"], refused.text
 
 
+@pytest.mark.parametrize("route", ["generate", "infer", "generate_stream"])
+def test_the_grammar_extension_shapes_the_text_on_mindies_routes_too(server, route):
+    grammar = {"type": "regex", "value": "(yes|no)"}
+    answer = _post(server, route, _with_parameter(route, "grammar", grammar))
+    assert answer.status_code == 200, answer.text
+    if route == "generate":
+        assert answer.json()["text_output"] in ("yes", "no")
+    elif route == "infer":
+        assert answer.json()["generated_text"] in ("yes", "no")
+    broken = _post(server, route, _with_parameter(route, "grammar", {"type": "json", "value": {"not": {}}}))
+    assert broken.status_code == 422 and "parameters.grammar.value" in broken.json()["error"], broken.text
+    assert 'Unimplemented keys: ["not"]' in broken.json()["error"]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "said"),
     [

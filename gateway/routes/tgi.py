@@ -17,12 +17,11 @@ from starlette.requests import HTTPConnection
 
 from gateway.errors import ErrorBody, unprocessable
 from gateway.generation import Completion, complete_all, error_object, sse_response, start, stream
-from gateway.grammars import json_schema_grammar, regex_grammar
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.service import GatewayService
 from schemas.messages import FinishReason, TokenEvent
-from schemas.tgi import TgiGrammar, TgiRequest, TgiResponse, TgiStreamEvent
+from schemas.tgi import TgiRequest, TgiResponse, TgiStreamEvent
 
 router = APIRouter(tags=["TGI-compatible"])
 
@@ -70,18 +69,7 @@ async def _submit(connection: HTTPConnection, body: TgiRequest, streaming: bool)
         # Token details carry log-probabilities: a stream's every token, the details' tokens, and best_of ranks by them.
         logprobs=(parameters.top_n_tokens or 0) if streaming or parameters.details or parameters.best_of else None,
         prompt_logprobs=0 if parameters.decoder_input_details else None,
-        grammar=_grammar(parameters.grammar),
     )
-
-
-def _grammar(grammar: TgiGrammar | None) -> str | None:
-    if grammar is None:
-        return None
-    if grammar.type == "regex":
-        if not isinstance(grammar.value, str):
-            raise unprocessable("parameters.grammar.value: a regex is a string")
-        return regex_grammar(grammar.value, "parameters.grammar.value")
-    return json_schema_grammar(grammar.value, "parameters.grammar.value")
 
 
 def _seed(inflight: InFlight) -> int | None:
