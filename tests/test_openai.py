@@ -372,3 +372,24 @@ def test_n_choices_are_sampled_apart_reproducible_with_a_seed_and_choice_0_is_th
         for choice in chunk.choices:
             streamed[choice.index] += choice.delta.content or ""
     assert streamed == [c.message.content for c in done.choices]
+
+
+def test_the_openapi_document_describes_the_new_fields(server):
+    schemas = httpx.get(server.url("/openapi.json"), timeout=10).json()["components"]["schemas"]
+    chat, completion = schemas["ChatCompletionRequest"]["properties"], schemas["CompletionRequest"]["properties"]
+    for field in ("logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format", "n"):
+        assert field in chat, field
+    for field in (
+        "logprobs",
+        "echo",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "ignore_eos",
+        "min_tokens",
+    ):
+        assert field in completion, field
+    assert {"top_n_tokens", "best_of", "grammar"} <= set(schemas["TgiParameters"]["properties"])
+    assert "grammar" in schemas["GenerateParameters"]["properties"]
+    assert "best_of_sequences" in schemas["TgiDetails"]["properties"]
+    assert "tool_calls" in schemas["AssistantMessage"]["properties"]
