@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import queue
 import random
+import re
 import time
 import uuid
 from dataclasses import replace
 
 import pytest
 import torch
+from llguidance import LLMatcher
 
 from schemas.messages import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from tests.devices import TEST_DEVICE
@@ -364,6 +366,20 @@ def test_log_probabilities_are_the_models_own_for_generated_and_prompt_tokens(lo
     for before, after in zip(greedy[5:], resumed, strict=True):
         assert after.logprobs[0].logprob == pytest.approx(before.logprobs[0].logprob, abs=1e-9)
         assert [t.id for t in after.logprobs[0].top] == [t.id for t in before.logprobs[0].top]
+
+
+def test_a_grammar_shapes_sampled_text_and_a_cancel_while_it_compiles_ends_the_request(harness):
+    """The first grammar compiles with the tokenizer's conversion (~0.2 s): a cancel lands meanwhile."""
+    grammar = LLMatcher.grammar_from_regex(r"(red|green|blue)( (red|green|blue)){2}")
+    cancelled = harness.submit(PROMPTS[0], 30, do_sample=True, grammar=grammar)
+    harness.engine.cancel(cancelled)
+    [stopped] = harness.collect([cancelled])[cancelled]
+    assert stopped.token_ids == [] and stopped.finish_reason == FinishReason.STOP_SEQUENCE
+    ids = [harness.submit(PROMPTS[i % 4], 30, do_sample=True, seed=i, grammar=grammar) for i in range(6)]
+    for events in harness.collect(ids).values():
+        text = "".join(e.text for e in events)
+        assert re.fullmatch(r"(red|green|blue)( (red|green|blue)){2}", text), text
+        assert events[-1].finish_reason == FinishReason.EOS_TOKEN  # the grammar complete, EOS is all it allows
 
 
 def test_a_stop_string_ends_generation_before_it_and_a_stop_token_with_it(harness):

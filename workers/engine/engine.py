@@ -116,6 +116,9 @@ class Engine:
         self._inbox: queue.SimpleQueue[_Submit | _Cancel | object] = queue.SimpleQueue()
         self._deferred: list[_Submit | _Cancel | object] = []  # read within a step, applied after it
         self._yielded_s = 0.0  # spent within the current step on urgent requests' steps
+        # Requests whose grammar is compiling (added by submit's thread), and those of them already cancelled.
+        self._compiling: set[str] = set()
+        self._cancelled_compiling: set[str] = set()
         self._runner.yield_between_layers(self._start_urgent)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -171,6 +174,7 @@ class Engine:
         elif self._grammars is None:
             self._inbox.put(_Submit(request, received_at, refusal="this worker's model cannot constrain its output"))
         else:
+            self._compiling.add(request.request_id)
 
             def compiled(matcher) -> None:
                 refused = isinstance(matcher, Exception)
@@ -218,7 +222,21 @@ class Engine:
     def _apply(self, command: _Submit | _Cancel) -> list[TokenEvent]:
         if isinstance(command, _Cancel):
             sequence = self._sequences.get(command.request_id)
+            if sequence is None and command.request_id in self._compiling:
+                self._cancelled_compiling.add(command.request_id)
             return [self._end(sequence, FinishReason.STOP_SEQUENCE)] if sequence else []
+        request = command.request
+        self._compiling.discard(request.request_id)
+        if request.request_id in self._cancelled_compiling:  # cancelled while its grammar compiled
+            self._cancelled_compiling.discard(request.request_id)
+            index = request.tokens_before + len(request.generated_token_ids)
+            stopped = TokenEvent(
+                request_id=request.request_id,
+                attempt=request.attempt,
+                index=index,
+                finish_reason=FinishReason.STOP_SEQUENCE,
+            )
+            return [stopped]
         try:
             sequence = self._admit(command)
         except _Rejected as rejected:

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 from llguidance import LLMatcher
 
@@ -81,6 +80,8 @@ class Grammars:
 
 def allowed_tokens(matcher: LLMatcher, vocab_size: int) -> torch.Tensor:
     """The tokens the matcher allows next, as a bitmask: int32 [ceil(vocab / 32)], bit t % 32 of word t // 32."""
-    bitmask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-    return bitmask[0]
+    bitmask = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+    # What llguidance.torch's fill_next_token_bitmask does, without importing that module (it sets up
+    # torch.compile for a kernel the sampler does not use).
+    matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+    return bitmask
