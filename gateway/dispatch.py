@@ -101,6 +101,9 @@ class Dispatcher:
             except UnknownTopic:
                 self._router.forget(route.worker_id)  # it left, and its inbox with it
                 continue
+            except BaseException:
+                self._router.unrouted(route)  # never sent: no report will show it read
+                raise
             if inflight.request is request:  # else it failed over meanwhile, and that attempt is sent anew
                 inflight.routed_to(route.worker_id)
             log.info(

@@ -3,9 +3,10 @@
 Workers report on the routing topic their inbox, their load and the prompt
 prefixes they hold in KV cache (workers/load_report.py). For a request the
 router considers the workers of its model whose report is fresh and that
-have room: a free slot (counting what this gateway routed to them since
-their report, and a few requests of read-ahead, so that a slot that frees
-is filled at once), or a running request of a lower priority, which the
+have room: a free slot (counting what this gateway routed to them that
+their report does not show read yet, and a few requests of read-ahead, so
+that a slot that frees is filled at once), or a running request of a lower
+priority, which the
 worker preempts. Among them it takes the lowest cost, as NVIDIA Dynamo's KV
 router does: the prompt tokens the worker does not hold cached, weighted,
 plus the tokens its running requests keep in cache. The weight is higher
@@ -41,10 +42,16 @@ class _WorkerView:
     load: WorkerLoad
     heard_at: float
     prefixes: set[int] = field(default_factory=set)
-    routed: int = 0  # requests this gateway routed to it since its last report
+    routed: int = 0  # requests this gateway routed to it, all told
+    read: int = 0  # of those, the ones its last report shows it has read from its inbox
+
+    @property
+    def unread(self) -> int:
+        """Routed by this gateway, and not in its report yet (a report sent before it read them shows none)."""
+        return max(0, self.routed - self.read)
 
     def room(self, priority: int) -> int:
-        free = self.load.capacity + read_ahead(self.load.capacity) - self.load.running - self.load.waiting - self.routed
+        free = self.load.capacity + read_ahead(self.load.capacity) - self.load.running - self.load.waiting - self.unread
         if free > 0:
             return free
         return sum(self.load.running_by_priority[priority:])  # running ones it would preempt
@@ -73,18 +80,22 @@ class Route:
 
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, reply_to: str) -> None:
+        """`reply_to`: this gateway's reply topic, under which workers count what they read from it."""
+        self._reply_to = reply_to
         self._workers: dict[str, _WorkerView] = {}
 
     def observe(self, load: WorkerLoad) -> None:
         view = self._workers.get(load.worker_id)
-        if view is None or load.snapshot:
-            view = self._workers[load.worker_id] = _WorkerView(load, time.monotonic(), set(load.prefixes_added))
+        read = load.inbox_reads.get(self._reply_to, 0)
+        if view is None or read < view.read:  # new to it, or the worker restarted under the same id
+            view = self._workers[load.worker_id] = _WorkerView(load, time.monotonic(), routed=read)
+        if load.snapshot:
+            view.prefixes = set(load.prefixes_added)
         else:
             view.prefixes.difference_update(load.prefixes_removed)
             view.prefixes.update(load.prefixes_added)
-            view.load, view.heard_at = load, time.monotonic()
-        view.routed = 0
+        view.load, view.heard_at, view.read = load, time.monotonic(), read
 
     def forget(self, worker_id: str) -> None:
         """The worker left: route nothing more to it."""
@@ -115,7 +126,7 @@ class Router:
                 continue
             uncached = len(hashes) * CHUNK_BYTES // BYTES_PER_TOKEN - cached
             cost = PREFILL_WEIGHT * uncached + view.busy_tokens()
-            key = (load.worker_id == avoid, cost, load.running + load.waiting + view.routed)
+            key = (load.worker_id == avoid, cost, load.running + load.waiting + view.unread)
             if best is None or key < best[:3]:
                 best = (*key, view, cached)
         if best is None:
@@ -127,7 +138,14 @@ class Router:
         return Route(view.load.worker_id, view.load.inbox, cached, worth)
 
     def routed(self, route: Route) -> None:
-        """The request went where `route` says: count it against that worker's room until it reports."""
+        """The request went where `route` says: count it against that worker's room until a report shows it read."""
+        self._count(route, 1)
+
+    def unrouted(self, route: Route) -> None:
+        """The request counted by routed() could not be sent after all."""
+        self._count(route, -1)
+
+    def _count(self, route: Route, change: int) -> None:
         view = self._workers.get(route.worker_id)
         if view is not None:
-            view.routed += 1
+            view.routed += change

@@ -84,7 +84,7 @@ class GatewayService:
         self._routing_topic = routing_topic(settings.topic_prefix)
         self.directory = WorkerDirectory()
         self.inflight = InFlightRegistry()
-        self.router = Router()
+        self.router = Router(self._reply_topic)
         self._dispatcher = Dispatcher(bus, self.router if settings.route else None, settings.topic_prefix)
         self._failover = Failover(
             bus, self.inflight, self._control_topic, self._dispatcher, HEARTBEAT_INTERVAL_S, LISTENER_STUCK_S

@@ -238,6 +238,9 @@ class WorkerLoad(_Message):
     prefixes_added: list[int] = []
     prefixes_removed: list[int] = []
     snapshot: bool = False  # prefixes_added is every prefix it holds
+    # Reply topic (a gateway's) -> the requests of that gateway it has read from its inbox since it started:
+    # a gateway counts against the worker's room what it routed there that this does not show read yet.
+    inbox_reads: dict[str, int] = {}
     interval_s: float  # the longest wait for its next report
 
 

@@ -57,7 +57,7 @@ def test_equal_prompt_prefixes_share_their_hashes_and_a_next_turn_extends_them()
 
 
 def test_the_worker_with_room_that_holds_most_of_the_prompt_wins_and_the_load_breaks_ties():
-    router = Router()
+    router = Router("replies")
     request = _request("p" * 2048)
     hashes = prefix_hashes(request)
     router.observe(_load("cold"))
@@ -72,26 +72,32 @@ def test_the_worker_with_room_that_holds_most_of_the_prompt_wins_and_the_load_br
 
 
 def test_a_full_worker_has_room_for_a_more_urgent_request_it_would_preempt_for():
-    router = Router()
+    router = Router("replies")
     router.observe(_load("w", running=4, capacity=4, waiting=1, running_by_priority=[0, 0, 1, 0, 3]))
     assert router.choose("m", 5, []) is None
     assert router.choose("m", 3, []) is not None  # three priority-5 requests to preempt
 
 
-def test_routes_count_against_a_worker_until_its_next_report():
-    router = Router()
+def test_routes_count_against_a_worker_until_a_report_shows_them_read():
+    router = Router("replies")
     router.observe(_load("w", running=0, capacity=4))
     routes = []
     while (route := router.choose("m", 5, [])) is not None:
         router.routed(route)
         routes.append(route)
     assert len(routes) == 4 + 1  # its free slots and one read ahead
-    router.observe(_load("w", running=4, capacity=4))
+    router.observe(_load("w", running=0, capacity=4))  # sent before it read them: no room still
+    assert router.choose("m", 5, []) is None
+    router.observe(_load("w", running=2, waiting=1, capacity=4, inbox_reads={"replies": 3, "other gateway": 7}))
+    assert router.choose("m", 5, []) is None  # 3 held, 2 on their way
+    router.observe(_load("w", running=4, capacity=4, inbox_reads={"replies": 5}))
     assert router.choose("m", 5, []) is not None  # the read-ahead again
+    router.observe(_load("w", running=0, capacity=4, inbox_reads={"replies": 1}))  # restarted under its id
+    assert len([router.routed(r) for _ in range(5) if (r := router.choose("m", 5, []))]) == 5
 
 
 def test_a_failover_avoids_the_worker_it_broke_off_on_unless_no_other_has_room():
-    router = Router()
+    router = Router("replies")
     router.observe(_load("a"))
     router.observe(_load("b", running=3))
     assert router.choose("m", 5, [], avoid="a").worker_id == "b"
@@ -100,7 +106,7 @@ def test_a_failover_avoids_the_worker_it_broke_off_on_unless_no_other_has_room()
 
 
 def test_waiting_for_the_cached_worker_is_worth_the_time_it_would_save():
-    router = Router()
+    router = Router("replies")
     hashes = prefix_hashes(_request("p" * 4096))
     router.observe(_load("cold"))
     router.observe(_load("full", running=4, waiting=1, prefixes=hashes, seconds_per_prompt_token=0.001))
@@ -110,7 +116,7 @@ def test_waiting_for_the_cached_worker_is_worth_the_time_it_would_save():
 
 
 def test_removed_prefixes_stop_counting_and_a_snapshot_replaces_them():
-    router = Router()
+    router = Router("replies")
     hashes = prefix_hashes(_request("p" * 1024))
     router.observe(_load("w", prefixes=hashes))
     delta = _load("w", prefixes=[]).model_copy(update={"snapshot": False, "prefixes_removed": hashes[2:]})
@@ -127,7 +133,7 @@ async def _received(bus: InProcessBus, topic: str):
 async def test_a_request_no_worker_has_room_for_waits_in_the_gateway_and_goes_to_the_first_with_room():
     bus = InProcessBus()
     await bus.create_topics({"inbox.a": 1, "inbox.b": 1, "t.m.p5": 1})
-    router = Router()
+    router = Router("replies")
     dispatcher = Dispatcher(bus, router, "t")
     running = asyncio.create_task(dispatcher.run())
     try:
@@ -157,7 +163,7 @@ async def test_a_request_no_worker_has_room_for_waits_in_the_gateway_and_goes_to
 async def test_a_held_request_that_ends_is_released_and_never_sent():
     bus = InProcessBus()
     await bus.create_topics({"inbox.a": 1})
-    router = Router()
+    router = Router("replies")
     dispatcher = Dispatcher(bus, router, "t")
     router.observe(_load("a", running=4, waiting=1))
     held = InFlight(_request(request_id="gone"), "c")
@@ -169,7 +175,7 @@ async def test_a_held_request_goes_to_the_shared_queue_once_no_worker_reports_an
     bus = InProcessBus()
     await bus.create_topics({"inbox.a": 1, "t.m.p5": 1})
     shared = await bus.listen("t.m.p5")
-    router = Router()
+    router = Router("replies")
     dispatcher = Dispatcher(bus, router, "t")
     running = asyncio.create_task(dispatcher.run())
     try:

@@ -114,6 +114,7 @@ class Worker:
         self._inbox_topic = inbox_topic(settings.topic_prefix, settings.worker_id)
         self._routing_topic = routing_topic(settings.topic_prefix)
         self._inbox_waiting: list[Delivery] = []  # read from the inbox, not started yet
+        self._inbox_reads: defaultdict[str, int] = defaultdict(int)  # per gateway's reply topic, since start
         # Only the stuck-consumer check of the inbox listener: no peers there.
         self._inbox_echo = PeerClock(settings.heartbeat_interval_s, 0.0, _CONTROL_STUCK_S, 0.0)
         self._load = LoadReporter(
@@ -217,6 +218,7 @@ class Worker:
             if isinstance(message, WorkerHeartbeat):  # its own, sent to check that the inbox still delivers
                 self._inbox_echo.own_heard(time.monotonic())
             elif isinstance(message, GenerationRequest):
+                self._inbox_reads[message.reply_to] += 1
                 self._inbox_waiting.append(Delivery(message, _INBOX))
                 offer(self._inbox_waiting, self._take_on, self._config.aging_s)
                 self._load.changed()
@@ -383,6 +385,7 @@ class Worker:
             "block_size": self._config.block_size,
             "seconds_per_prompt_token": self._engine.seconds_per_prompt_token,
             **self._engine.prompt_stats(),
+            "inbox_reads": dict(self._inbox_reads),
         }
 
     def _heartbeat(self, leaving: bool = False) -> WorkerHeartbeat:
