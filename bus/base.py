@@ -113,6 +113,8 @@ def offer(waiting: list[Delivery], accept: Accept, aging_s: float) -> list[Deliv
 
 
 class Bus(ABC):
+    max_message_bytes: int | None = None  # the largest message it carries (encoded); None: no limit
+
     async def publish_or_log(self, topic: str, message: BusMessage, event: str) -> bool:
         """Publish a message whose loss the protocol tolerates (a heartbeat, a goodbye, events nobody
         may read); if the bus refuses it, log `event` and return False instead of raising."""

@@ -49,9 +49,15 @@ class KafkaSettings:
     max_poll_interval_ms: int = 60_000
     # Past this a message is given up (and not sent later): a gateway answers 503 at once.
     publish_timeout_s: float = 1.5
+    # The largest message carried: the producer, every topic this process creates (max.message.bytes) and the
+    # consumers' fetches are set to it. Kafka's default is 1 MB; a request may carry a 4 MB text_input.
+    max_message_bytes: int = 16 * 2**20
     # A request queue's consumer that fetched nothing this long while its partitions
     # have requests it has not read is stuck (it happens after a broker restart): rebuilt.
     consumer_stuck_s: float = 30.0
+
+
+_RECORD_OVERHEAD = 64 * 1024  # a record's key, headers and batch framing around the message
 
 
 def _decode(record) -> BusMessage | None:
@@ -257,6 +263,7 @@ class KafkaBus(Bus):
         self._admin: AIOKafkaAdminClient | None = None
         self._offsets: AIOKafkaConsumer | None = None
         self._offsets_starting = asyncio.Lock()  # the workers of one process share the bus
+        self.max_message_bytes = settings.max_message_bytes
 
     async def start(self) -> None:
         self._admin = AIOKafkaAdminClient(
@@ -269,6 +276,7 @@ class KafkaBus(Bus):
             acks="all",  # a request acknowledged to the gateway survives a broker crash
             linger_ms=0,
             request_timeout_ms=int(self._settings.publish_timeout_s * 1000),
+            max_request_size=self._settings.max_message_bytes + _RECORD_OVERHEAD,
         )
         await self._producer.start()
 
@@ -284,7 +292,12 @@ class KafkaBus(Bus):
         assert self._admin is not None
         existing = set(await self._admin.list_topics())
         missing = [
-            NewTopic(name, count, self._settings.replication_factor)
+            NewTopic(
+                name,
+                count,
+                self._settings.replication_factor,
+                topic_configs={"max.message.bytes": str(self._settings.max_message_bytes + _RECORD_OVERHEAD)},
+            )
             for name, count in partitions.items()
             if name not in existing
         ]
@@ -333,6 +346,7 @@ class KafkaBus(Bus):
             bootstrap_servers=self._settings.bootstrap_servers,
             client_id=self._client_id,
             enable_auto_commit=False,
+            max_partition_fetch_bytes=self._settings.max_message_bytes + _RECORD_OVERHEAD,
             **{"fetch_max_wait_ms": self._settings.fetch_max_wait_ms, **overrides},
         )
 

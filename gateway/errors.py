@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 VALIDATION_ERROR = "Input Validation Error"
+PAYLOAD_TOO_LARGE = "Payload Too Large"
 _UNPARSABLE = "There was an error parsing the body"  # FastAPI's 400 for a body json.loads cannot even read
 
 

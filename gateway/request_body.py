@@ -21,9 +21,7 @@ import sys
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import VALIDATION_ERROR, error_response
-
-PAYLOAD_TOO_LARGE = "Payload Too Large"
+from gateway.errors import PAYLOAD_TOO_LARGE, VALIDATION_ERROR, error_response
 
 
 class RequestBodies:

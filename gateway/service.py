@@ -26,7 +26,7 @@ from bus.peers import PeerClock, send_own_heartbeat
 from bus.topics import control_topic, reply_topic, routing_topic
 from gateway.directory import WorkerDirectory
 from gateway.dispatch import Dispatcher
-from gateway.errors import ApiError, not_found, unavailable
+from gateway.errors import PAYLOAD_TOO_LARGE, ApiError, not_found, unavailable
 from gateway.failover import CHECK_EVERY_S, Failover
 from gateway.inflight import InFlight, InFlightRegistry
 from gateway.router import Router
@@ -42,6 +42,7 @@ from schemas.messages import (
     TokenEvents,
     WorkerHeartbeat,
     WorkerLoad,
+    encode,
 )
 from tokenrelay.metrics import metrics_of, record_backlog
 
@@ -256,6 +257,7 @@ class GatewayService:
             reply_to=self._reply_topic,
         )
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        self._check_size(request)
         if len(self.inflight) >= self._settings.max_in_flight:
             self._metrics.failures.labels(model.name, TOO_MANY_REQUESTS).inc()
             log.warning("request_refused", reason="in-flight limit", in_flight=len(self.inflight))
@@ -333,6 +335,17 @@ class GatewayService:
             raise unavailable(f"the message bus cannot take the cancellation now: {error}") from error
         self._metrics.cancellations.labels(inflight.request.model, reason).inc()
         log.info("request_cancelled", request_id=inflight.request.request_id, reason=reason)
+
+    def _check_size(self, request: GenerationRequest) -> None:
+        """413 for a request larger on the bus than the bus carries: refused here, before it is published."""
+        limit = self._bus.max_message_bytes
+        if limit is not None and (size := len(encode(request))) > limit:
+            raise ApiError(
+                413,
+                PAYLOAD_TOO_LARGE,
+                f"the request takes {size} bytes on the message bus; at most {limit} are carried "
+                "(--kafka-max-message-bytes)",
+            )
 
     def finish(self, inflight: InFlight) -> None:
         """Forget a request; if its worker may still run it (client gone, deadline), tell it to stop.

@@ -215,3 +215,18 @@ async def test_a_gateway_that_dies_mid_stream_frees_the_workers_slots_within_10_
     finally:
         gateway.stop()
         assert worker.stop() == 0, worker.log_tail()
+
+
+def test_a_request_over_kafkas_default_message_size_crosses_and_one_over_the_limit_is_413(kafka_bootstrap, tmp_path):
+    limit = ("--kafka-max-message-bytes", "2000000")
+    with on_kafka(tmp_path, kafka_bootstrap, worker_args=limit, gateway_args=limit) as (gateway, worker):
+        url = f"{gateway.base_url}/v2/models/{MODEL}/generate_stream"
+        # 1.5 MB of text, within the route's 4 MB: past Kafka's default 1 MB message (which the producer
+        # refused with a 503 before), it reaches the worker, which finds it too long for the model (424).
+        crossed = httpx.post(url, json={"text_input": "word " * 300_000}, timeout=120)
+        assert crossed.status_code == 424, crossed.text
+        assert "tokens after tokenization" in crossed.json()["error"]
+        over = httpx.post(url, json={"text_input": "word " * 420_000}, timeout=30)  # 2.1 MB
+        assert over.status_code == 413, over.text
+        assert "at most 2000000 are carried" in over.json()["error"]
+        assert len(worker.events_named("request_admitted")) == 1  # the one over the limit was never published

@@ -238,6 +238,14 @@ def _kafka_options(parser: argparse.ArgumentParser) -> None:
         help="seconds a message may take to reach the broker; after that the publisher gives up "
         "(a gateway answers 503)",
     )
+    _option(
+        parser,
+        "--kafka-max-message-bytes",
+        type=int,
+        default=16 * 2**20,
+        help="largest message carried (the producer, the topics created, the fetches); a request "
+        "larger on the bus is answered 413 before it is published",
+    )
     _option(parser, "--kafka-heartbeat-interval-ms", type=int, default=1_000, help="workers: group heartbeat period")
     _option(
         parser,
@@ -314,6 +322,7 @@ def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
         heartbeat_interval_ms=args.kafka_heartbeat_interval_ms,
         max_poll_interval_ms=args.kafka_max_poll_interval_ms,
         publish_timeout_s=args.kafka_publish_timeout,
+        max_message_bytes=args.kafka_max_message_bytes,
     )
     return KafkaBus(settings, client_id=client_id)
 
