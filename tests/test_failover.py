@@ -158,8 +158,9 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
     assert sum(f["structured"] for f in failovers) >= 1, [f["structured"] for f in failovers]
 
 
-def test_a_minute_and_a_half_of_chaos_loses_nothing(kafka_bootstrap, topic_prefix, tmp_path):
-    """2 gateways, 3 workers, steady load; a worker SIGKILLed and restarted every 15 s."""
+def test_a_minute_of_chaos_loses_nothing(kafka_bootstrap, topic_prefix, tmp_path):
+    """2 gateways, 3 workers, steady load; a worker SIGKILLed and restarted every 12 s (longer soaks:
+    `tokenrelay bench chaos`)."""
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
     workers = Workers(kafka, 3, tmp_path)
     ports = [free_port(), free_port()]
@@ -169,10 +170,10 @@ def test_a_minute_and_a_half_of_chaos_loses_nothing(kafka_bootstrap, topic_prefi
             for url in urls:
                 wait_gateway_ready(url, MODEL, [*gateways, *workers.processes])
             result = asyncio.run(
-                run_chaos(urls, workers, duration_s=90, kill_every_s=15, concurrency=8, hang_after_s=60)
+                run_chaos(urls, workers, duration_s=60, kill_every_s=12, concurrency=8, hang_after_s=60)
             )
     finally:
         workers.stop()
     print(result)  # the counts, for the CI log
-    assert result["workers_killed"] == 5 and result["requests"] > 75, result
+    assert result["workers_killed"] == 4 and result["requests"] > 50, result
     assert {o: result[o] for o in FAILURES} == dict.fromkeys(FAILURES, 0), result
