@@ -159,18 +159,21 @@ def test_typical_p_filters_a_batch_as_transformers_filters_each_row(dtype):
 
 
 def test_a_mixed_batch_draws_each_row_as_it_would_alone():
-    """Greedy, penalised, typical and plain sampling rows side by side: each row's token is its own."""
+    """Greedy, penalised, typical, cut and whole-distribution sampling rows side by side (the sampler draws the
+    last kind without sorting, apart from the others): each row's token is its own."""
     params = [
         SamplingParams(seed=1),
+        SamplingParams(seed=6, do_sample=True, temperature=1.3),
         SamplingParams(seed=2, repetition_penalty=1.7),
         SamplingParams(seed=3, do_sample=True, typical_p=0.6, temperature=0.8),
         SamplingParams(seed=4, do_sample=True, top_k=5, repetition_penalty=0.7),
+        SamplingParams(seed=7, do_sample=True, presence_penalty=1.0, min_tokens=20),
         SamplingParams(seed=5, do_sample=True, top_p=0.5),
     ]
-    logits = torch.stack([_logits(s) for s in range(5)])
-    draws = [Draw(p, (1, 2, 3, 500, int(logits[i].argmax())), 9) for i, p in enumerate(params)]
+    logits = torch.stack([_logits(s) for s in range(len(params))])
+    draws = [Draw(p, (1, 2, 3, 500, int(logits[i].argmax())), 9, (1, 2), (7,)) for i, p in enumerate(params)]
     together = sample_logits(logits, draws)
-    assert together == [sample_logits(logits[i : i + 1], [draws[i]])[0] for i in range(5)]
+    assert together == [sample_logits(logits[i : i + 1], [draws[i]])[0] for i in range(len(params))]
     assert together[0] == int(logits[0].argmax()) and together[1] != int(logits[1].argmax())
 
 

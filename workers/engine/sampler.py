@@ -6,7 +6,8 @@ and frequency penalties over the tokens generated so far, logit_bias, and
 -inf for EOS and stop tokens before min_tokens), and rows with a grammar
 lose every token it does not allow (grammar.py). Greedy rows take the argmax.
 Sampling rows go through temperature, top-k, top-p, min-p and typical-p as
-transformers applies them, then draw with the
+transformers applies them (rows that cut nothing skip the vocabulary sort
+these need, most of a sampled step's cost on a CPU), then draw with the
 exponential race (argmax of p / E, E ~ Exp(1)), which picks token i with
 probability p_i. The noise of token i of a request comes from a seed made of
 (seed, i) alone: whatever else is in the batch, after a preemption, and on
@@ -78,6 +79,7 @@ class DrawBatch:
     noise_seeds: torch.Tensor | None  # per sampling row: noise_seed(seed, index) as int64 (two's complement)
     plain: list[int]  # rows that take the plain argmax (no sampling, no penalty, no log-probabilities)
     scored: list[int]  # rows whose request asks for log-probabilities
+    unfiltered: int  # the first this many sampling rows draw from the whole distribution (no top-k, top-p...)
     typical: bool  # whether a sampling row has typical_p < 1
     min_p: bool  # whether a sampling row has min_p > 0
 
@@ -95,7 +97,10 @@ class DrawBatch:
             )
             for p in params
         ]
-        sampling = [row for row, p in enumerate(params) if p.do_sample]
+        # Rows that only sample (no top-k, top-p, min-p or typical-p) first: their draw needs no sort.
+        sampling = sorted(
+            (row for row, p in enumerate(params) if p.do_sample), key=lambda r: _filters(params[r], vocab)
+        )
         seeds = [_signed(noise_seed(draws[row].params.seed, draws[row].index)) for row in sampling]
         seen = [
             row * vocab + token
@@ -130,9 +135,15 @@ class DrawBatch:
                 and not _adds(d)
             ],
             scored=[row for row, p in enumerate(params) if p.logprobs is not None],
+            unfiltered=sum(not _filters(params[row], vocab) for row in sampling),
             typical=any(params[row].typical_p is not None and params[row].typical_p < 1.0 for row in sampling),
             min_p=any(params[row].min_p > 0 for row in sampling),
         )
+
+
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    """Whether a sampling row cuts its distribution (top-k, top-p, min-p, typical-p): its draw sorts the row."""
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0 or (p.typical_p is not None and p.typical_p < 1.0)
 
 
 def _adds(draw: Draw) -> bool:
@@ -224,16 +235,30 @@ def choose(logits: torch.Tensor, batch: DrawBatch) -> torch.Tensor:
         scores[rows] = scores[rows].masked_fill(~_unpacked(batch.allowed, scores.shape[-1]), float("-inf"))
     tokens = scores.argmax(dim=-1)
     if batch.sampling is not None:
-        rows = batch.sampling
-        tokens[rows] = _draw(scores[rows], batch.values[:, rows], logits[rows], batch, batch.noise_seeds)
+        free, seeds = batch.unfiltered, batch.noise_seeds
+        whole, cut = batch.sampling[:free], batch.sampling[free:]
+        if free:
+            tokens[whole] = _race(_tempered(scores[whole], batch.values[:, whole], logits[whole]), seeds[:free])
+        if free < len(batch.sampling):
+            tokens[cut] = _draw(scores[cut], batch.values[:, cut], logits[cut], batch, seeds[free:])
     return tokens
 
 
+def _tempered(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    return _finite_limit(scores / values[_TEMPERATURE].to(scores.dtype).unsqueeze(1), logits)
+
+
+def _race(scores: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """The exponential race over whole rows: token i wins with probability p_i."""
+    return (scores.softmax(dim=-1) / _exponential_noise(seeds, scores.shape[-1], scores)).argmax(dim=-1)
+
+
 def _draw(scores: torch.Tensor, values: torch.Tensor, logits: torch.Tensor, batch: DrawBatch, seeds: torch.Tensor):
-    """values: the rows' DrawBatch.values (float64); seeds: their noise seeds."""
+    """Rows that cut their distributions first; values: the rows' DrawBatch.values (float64); seeds: their
+    noise seeds."""
     vocab = scores.shape[-1]
+    scores = _tempered(scores, values, logits)
     values = values.to(scores.dtype)
-    scores = _finite_limit(scores / values[_TEMPERATURE].unsqueeze(1), logits)
     # Stable: tied tokens keep one order whatever the batch, so top-k keeps the same ones.
     ordered, order = scores.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
