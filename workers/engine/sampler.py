@@ -109,6 +109,7 @@ class DrawBatch:
             for token in set(d.token_ids)
         ]
         added = _additions(draws, vocab)
+        adding = {index // vocab for index in added}  # rows with an addition
         grammar_rows = [row for row, d in enumerate(draws) if d.allowed is not None]
         indices = [*sampling, *seeds, *seen, *grammar_rows, *added]
         indices = to_device(torch.tensor(indices, dtype=torch.long), device)  # one copy
@@ -132,7 +133,7 @@ class DrawBatch:
                 and p.repetition_penalty == 1.0
                 and p.logprobs is None
                 and d.allowed is None
-                and not _adds(d)
+                and row not in adding
             ],
             scored=[row for row, p in enumerate(params) if p.logprobs is not None],
             unfiltered=sum(not _filters(params[row], vocab) for row in sampling),
@@ -144,12 +145,6 @@ class DrawBatch:
 def _filters(p: SamplingParams, vocab: int) -> bool:
     """Whether a sampling row cuts its distribution (top-k, top-p, min-p, typical-p): its draw sorts the row."""
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0 or (p.typical_p is not None and p.typical_p < 1.0)
-
-
-def _adds(draw: Draw) -> bool:
-    """Whether the draw changes single logits (see _additions)."""
-    p = draw.params
-    return bool(p.logit_bias or draw.banned or (draw.generated and (p.presence_penalty or p.frequency_penalty)))
 
 
 def _additions(draws: list[Draw], vocab: int) -> dict[int, float]:
