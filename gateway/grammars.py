@@ -36,11 +36,6 @@ def regex_grammar(regex: str, field: str) -> str:
     return _checked(LLMatcher.grammar_from_regex(regex), field)
 
 
-def any_of_grammar(schemas: list[dict], field: str) -> str:
-    """JSON that validates against one of these schemas."""
-    return json_schema_grammar({"anyOf": schemas} if len(schemas) > 1 else schemas[0], field)
-
-
 def _checked(grammar: str, field: str) -> str:
     error = LLMatcher.validate_grammar(grammar)
     if error:
