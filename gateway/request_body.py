@@ -17,6 +17,7 @@ A pure ASGI middleware:
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -64,8 +65,17 @@ class RequestBodies:
         await send({"type": "http.response.body", "body": payload})
 
 
+_LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (sys.get_int_max_str_digits() + 1))
+
+
 def _beyond_parser_limits(body: bytes) -> str | None:
-    """Why Python's json cannot read this body although it may be valid JSON; None when that is not the case."""
+    """Why Python's json cannot read this body although it may be valid JSON; None when that is not the case.
+
+    Parsed here only when it might be so (FastAPI parses every body anyway): more brackets than the
+    recursion limit, or a run of digits longer than the longest integer converted."""
+    deep_enough = body.count(b"[") + body.count(b"{") > sys.getrecursionlimit()
+    if not deep_enough and _LONG_DIGITS.search(body) is None:
+        return None
     try:
         json.loads(body)
     except RecursionError:
