@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
@@ -178,6 +178,22 @@ def error_object(event: TokenEvent) -> dict:
     """The last object of a stream that failed after it started."""
     assert event.error is not None
     return {"error": event.error.message, "error_type": event.error.error_type}
+
+
+async def start_each(
+    service: GatewayService, count: int, start_one: Callable[[int], Awaitable[InFlight]]
+) -> list[InFlight]:
+    """`count` requests (OpenAI's `n` choices, TGI's best_of), started in turn by `start_one(which)`; if one
+    cannot start, those started already end."""
+    inflights: list[InFlight] = []
+    try:
+        for which in range(count):
+            inflights.append(await start_one(which))
+    except BaseException:
+        for inflight in inflights:
+            service.finish(inflight)
+        raise
+    return inflights
 
 
 async def streams(

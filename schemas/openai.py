@@ -14,7 +14,7 @@ temperature, penalties and filtering (vLLM's default).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -23,6 +23,7 @@ from schemas.openai_tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta
 from schemas.parameters import BODY, INT32_MAX
 
 SEED_MAX = 2**63 - 1
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # JSON object keys are strings
 MAX_CHOICES = 16  # each choice is a request of its own to a worker
 
 
@@ -72,7 +73,7 @@ class _Sampling(BaseModel):
     priority: int | None = Field(None, ge=1, le=5, description="1 is the most urgent; default 5.")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Per token generated so far.")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Per occurrence so far.")
-    logit_bias: dict[str, float] | None = Field(
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, max_length=300, description="Token id (as a string) -> added to its logit, -100 to 100."
     )
     # vLLM's extensions
@@ -84,16 +85,6 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = Field(True, description="Special tokens have no text.")
     include_stop_str_in_output: bool = Field(False, description="The text ends with the stop string.")
     response_format: ResponseFormat | None = Field(None, description="JSON answers: any object, or a schema's.")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _biases(cls, biases: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (biases or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"logit_bias keys are token ids; received {token!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100]; received {bias} for token {token}")
-        return biases
 
     @field_validator("stop")
     @classmethod

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection
 
-from gateway.errors import VALIDATION_ERROR, ApiError, openai_error_body
-from gateway.generation import check_prompt_tokens, complete_all, sse_response, streams
+from gateway.errors import openai_error_body, unprocessable
+from gateway.generation import check_prompt_tokens, complete_all, sse_response, start_each, streams
 from gateway.grammars import json_object_grammar, json_schema_grammar
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
@@ -73,11 +73,7 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
     model = service.resolve(body.model)
     outside = [token for token in body.logit_bias or {} if int(token) >= model.vocab_size]
     if outside:
-        raise ApiError(
-            400,
-            VALIDATION_ERROR,
-            f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model.vocab_size})",
-        )
+        raise unprocessable(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model.vocab_size})")
     prompt: dict = {}
     grammar = _grammar(body)
     if isinstance(body, ChatCompletionRequest):
@@ -91,17 +87,12 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
         check_prompt_tokens(model, body.prompt)
         prompt["prompt_token_ids"] = body.prompt
     sampling = body.sampling(service.draw_seed(), model.max_iter_times, grammar)
-    inflights: list[InFlight] = []
-    try:
-        for choice in range(body.n):
-            seed = (sampling.seed + choice * _SEED_STRIDE) % 2**64
-            own = sampling.model_copy(update={"seed": seed})
-            inflights.append(await service.submit(model, own, priority=body.priority, **prompt))
-    except BaseException:
-        for inflight in inflights:
-            service.finish(inflight)
-        raise
-    return inflights
+
+    def choice(which: int) -> Awaitable[InFlight]:
+        seed = (sampling.seed + which * _SEED_STRIDE) % 2**64
+        return service.submit(model, sampling.model_copy(update={"seed": seed}), priority=body.priority, **prompt)
+
+    return await start_each(service, body.n, choice)
 
 
 def _grammar(body: CompletionRequest | ChatCompletionRequest) -> str | None:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.errors import ErrorBody, unprocessable
-from gateway.generation import Completion, complete_all, error_object, sse_response, start, stream
+from gateway.generation import Completion, complete_all, error_object, sse_response, start, start_each, stream
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.service import GatewayService
@@ -125,14 +125,8 @@ async def generate(body: TgiRequest, request: Request):
     if body.stream:
         return sse_response(await stream_objects(request, body), space=False)
     service: GatewayService = request.app.state.gateway
-    inflights = []
-    try:
-        for _ in range(body.parameters.best_of or 1):  # each draws its own seed
-            inflights.append(await _submit(request, body, streaming=False))
-    except BaseException:
-        for inflight in inflights:
-            service.finish(inflight)
-        raise
+    # Each of best_of's sequences draws its own seed.
+    inflights = await start_each(service, body.parameters.best_of or 1, lambda _: _submit(request, body, False))
     answers = await complete_all(service, inflights, request)
     # best_of: the likeliest sequence wins (highest sum of its tokens' log-probabilities), as in TGI.
     ranked = sorted(zip(answers, inflights, strict=True), key=lambda pair: -_total_logprob(pair[0]))
