@@ -229,14 +229,7 @@ class Engine:
         self._compiling.discard(request.request_id)
         if request.request_id in self._cancelled_compiling:  # cancelled while its grammar compiled
             self._cancelled_compiling.discard(request.request_id)
-            index = request.tokens_before + len(request.generated_token_ids)
-            stopped = TokenEvent(
-                request_id=request.request_id,
-                attempt=request.attempt,
-                index=index,
-                finish_reason=FinishReason.STOP_SEQUENCE,
-            )
-            return [stopped]
+            return [_unstarted_end(request, FinishReason.STOP_SEQUENCE)]
         try:
             sequence = self._admit(command)
         except _Rejected as rejected:
@@ -407,13 +400,19 @@ class _Rejected(Exception):
 
     def __init__(self, request: GenerationRequest, message: str) -> None:
         super().__init__(message)
-        self.event = TokenEvent(
-            request_id=request.request_id,
-            attempt=request.attempt,
-            index=0,
-            finish_reason=FinishReason.INVALID_FLAG,
-            error=ErrorInfo(message=message, error_type=_GENERATION_ERROR, status=424),
-        )
+        error = ErrorInfo(message=message, error_type=_GENERATION_ERROR, status=424)
+        self.event = _unstarted_end(request, FinishReason.INVALID_FLAG, error)
+
+
+def _unstarted_end(request: GenerationRequest, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
+    """The last event of a request that ends before the engine starts it: after the tokens delivered before."""
+    return TokenEvent(
+        request_id=request.request_id,
+        attempt=request.attempt,
+        index=request.tokens_before + len(request.generated_token_ids),
+        finish_reason=reason,
+        error=error,
+    )
 
 
 def _timeout_error(sequence: Sequence) -> ErrorInfo:
