@@ -126,7 +126,9 @@ async def generate(body: TgiRequest, request: Request):
         return sse_response(await stream_objects(request, body), space=False)
     service: GatewayService = request.app.state.gateway
     # Each of best_of's sequences draws its own seed.
-    inflights = await start_each(service, body.parameters.best_of or 1, lambda _: _submit(request, body, False))
+    inflights = await start_each(
+        service, body.parameters.best_of or 1, lambda _: _submit(request, body, streaming=False)
+    )
     answers = await complete_all(service, inflights, request)
     # best_of: the likeliest sequence wins (highest sum of its tokens' log-probabilities), as in TGI.
     ranked = sorted(zip(answers, inflights, strict=True), key=lambda pair: -_total_logprob(pair[0]))
