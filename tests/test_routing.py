@@ -58,6 +58,9 @@ async def test_a_next_turn_lands_on_the_worker_holding_the_conversation_and_a_re
         long = asyncio.create_task(_generate(client, base, "The following example", 400))  # 400 greedy tokens
         while not gateway.events_named("request_routed")[4:]:
             await asyncio.sleep(0.05)
+        # Routes follow load reports, which come within 100 ms of a change: let the other worker report that
+        # its follow-up ended, and this one that it runs the long request (it runs for seconds).
+        await asyncio.sleep(0.5)
         short = await _generate(client, base, "A short question?", 4)
         assert not long.done()
         busy = _routed_to(gateway, (await long)["id"])
