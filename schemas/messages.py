@@ -65,19 +65,39 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImagePart(BaseModel):
+    """The place of the request's next image (GenerationRequest.images), as Hugging Face chat templates take it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["image"] = "image"
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     """One turn of a chat; the worker renders the conversation with its tokenizer's chat template."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: str
-    content: str
+    content: str | list[ContentPart]  # parts only where images are: a vision-language model's
     tool_calls: list[dict] | None = None  # an assistant's calls, as Hugging Face chat templates take them
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
 class GenerationRequest(_Message):
     """A request for a worker: published to the topic of its model and priority."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
 
     kind: Literal["generate"] = "generate"
     request_id: str  # unique per request, assigned by the gateway
@@ -86,6 +106,9 @@ class GenerationRequest(_Message):
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
     chat_messages: list[ChatMessage] | None = None
+    prompt_parts: list[ContentPart] | None = None  # a raw prompt with images in it (TGI's ![](url))
+    # The images that ImageParts stand for, in order: their bytes as the gateway checked them (gateway/images.py).
+    images: list[bytes] = []
     tools: list[dict] | None = None  # functions the chat template presents (OpenAI's tools)
     truncate: int | None = Field(default=None, gt=0)  # keep only the prompt's last N tokens (TGI)
     sampling: SamplingParams
@@ -103,9 +126,18 @@ class GenerationRequest(_Message):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerationRequest:
-        if sum(p is not None for p in (self.prompt_text, self.prompt_token_ids, self.chat_messages)) != 1:
-            raise ValueError("exactly one of prompt_text, prompt_token_ids and chat_messages must be set")
+        prompts = (self.prompt_text, self.prompt_token_ids, self.chat_messages, self.prompt_parts)
+        if sum(p is not None for p in prompts) != 1:
+            raise ValueError("exactly one of prompt_text, prompt_token_ids, chat_messages and prompt_parts must be set")
+        if len(self.image_places()) != len(self.images):
+            raise ValueError(f"{len(self.image_places())} image parts for {len(self.images)} images")
         return self
+
+    def image_places(self) -> list[ImagePart]:
+        parts = list(self.prompt_parts or ())
+        for message in self.chat_messages or ():
+            parts += message.content if isinstance(message.content, list) else ()
+        return [p for p in parts if isinstance(p, ImagePart)]
 
     def urgency(self, now: float, aging_s: float) -> float:
         """Lower is more urgent: its priority, less one level per `aging_s` waited since arrival."""
@@ -196,6 +228,9 @@ class ServedModel(BaseModel):
     max_input_len: int
     max_iter_times: int
     vocab_size: int
+    # A vision-language model's: the most pixels of an image worth sending it (its processor scales larger
+    # ones down: the gateway does it first, to a little more, so requests stay small); None: no images.
+    image_pixels: int | None = None
 
 
 class WorkerHeartbeat(_Message):

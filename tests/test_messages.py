@@ -10,7 +10,9 @@ from schemas.messages import (
     ChatMessage,
     FinishReason,
     GenerationRequest,
+    ImagePart,
     SamplingParams,
+    TextPart,
     TokenEvent,
     TokenEvents,
     decode,
@@ -54,7 +56,7 @@ def test_seed_keeps_all_64_bits():
 
 
 def test_a_request_has_exactly_one_prompt():
-    one = "exactly one of prompt_text, prompt_token_ids and chat_messages"
+    one = "exactly one of prompt_text, prompt_token_ids, chat_messages and prompt_parts"
     with pytest.raises(ValidationError, match=one):
         _request(prompt_token_ids=[1])
     with pytest.raises(ValidationError, match=one):
@@ -63,6 +65,17 @@ def test_a_request_has_exactly_one_prompt():
         _request(prompt_text=None)
     chat = _request(prompt_text=None, chat_messages=[ChatMessage(role="user", content="hi")])
     assert decode(encode(chat)) == chat
+
+
+def test_images_cross_the_wire_byte_for_byte_and_match_their_places():
+    image = bytes(range(256)) * 3
+    parts = [TextPart(text="see "), ImagePart(), TextPart(text=" and "), ImagePart()]
+    raw = _request(prompt_text=None, prompt_parts=parts, images=[image, b"\x89PNG"])
+    assert decode(encode(raw)) == raw and decode(encode(raw)).images[0] == image
+    chat = _request(prompt_text=None, chat_messages=[ChatMessage(role="user", content=parts[:2])], images=[image])
+    assert decode(encode(chat)) == chat
+    with pytest.raises(ValidationError, match="2 image parts for 1 images"):
+        _request(prompt_text=None, prompt_parts=parts, images=[image])
 
 
 def test_unknown_wire_version_is_refused():

@@ -106,6 +106,7 @@ class Worker:
             max_input_len=self._engine.max_input_len,
             max_iter_times=config.max_iter_times,
             vocab_size=loaded.vocab_size,
+            image_pixels=self._engine.image_pixels,
         )
         self._metrics = metrics_of("worker")
         self._topics = request_topics(settings.topic_prefix, self.model.name)

@@ -4,7 +4,9 @@ A sequence's KV lives in the blocks of its block table, `block_size` tokens
 each, so no memory is spent on padding. A full block is known by a hash of
 its tokens and of every token before it; once its KV has been computed it is
 registered under that hash, and a later sequence whose prompt starts with the
-same tokens takes the block instead of computing it again. A freed block
+same tokens takes the block instead of computing it again. A block that holds
+an image's placeholder tokens is known by that image's digest too: the same
+placeholders stand for any image of that size. A freed block
 keeps its hash, and its KV, until the allocator hands it out anew (oldest
 freed first), so a preempted sequence usually finds its own prefix again.
 
@@ -21,8 +23,14 @@ from collections import OrderedDict
 from workers.engine.sequence import Sequence
 
 
-def _chain_hash(previous: int, tokens: list[int]) -> int:
-    return hash((previous, *tokens))
+def _chain_hash(previous: int, content: tuple) -> int:
+    return hash((previous, *content))
+
+
+def block_content(sequence: Sequence, start: int, end: int) -> tuple:
+    """What tells a block of tokens [start, end) apart: its tokens, and the digests of images placed there."""
+    chunk = tuple(sequence.tokens(start, end))
+    return chunk if sequence.images is None else chunk + sequence.images.digests_between(start, end)
 
 
 class _Block:
@@ -31,7 +39,7 @@ class _Block:
     def __init__(self) -> None:
         self.ref_count = 0
         self.hash: int | None = None
-        self.tokens: tuple[int, ...] = ()  # kept to rule out hash collisions
+        self.tokens: tuple = ()  # its content (block_content), kept to rule out hash collisions
 
 
 class BlockManager:
@@ -62,14 +70,13 @@ class BlockManager:
         """
         if sequence.request.sampling.prompt_logprobs is not None:
             return []
-        tokens = sequence.token_ids
         found: list[int] = []
         previous = 0
-        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
-            chunk = tokens[start : start + self.block_size]
-            previous = _chain_hash(previous, chunk)
+        for start in range(0, sequence.num_tokens - 1 - self.block_size + 1, self.block_size):
+            content = block_content(sequence, start, start + self.block_size)
+            previous = _chain_hash(previous, content)
             block_id = self._by_hash.get(previous)
-            if block_id is None or self._blocks[block_id].tokens != tuple(chunk):
+            if block_id is None or self._blocks[block_id].tokens != content:
                 break
             found.append(block_id)
         return found
@@ -135,15 +142,14 @@ class BlockManager:
 
     def _register(self, sequence: Sequence, first: int, end: int) -> None:
         """Register the sequence's full blocks first..end-1 under their chained hashes."""
-        tokens = sequence.token_ids
         previous = self._blocks[sequence.block_table[first - 1]].hash if first else 0
         for index in range(first, end):
             block_id = sequence.block_table[index]
             block = self._blocks[block_id]
-            chunk = tokens[index * self.block_size : (index + 1) * self.block_size]
-            previous = _chain_hash(previous, chunk)
+            content = block_content(sequence, index * self.block_size, (index + 1) * self.block_size)
+            previous = _chain_hash(previous, content)
             if block.hash is None:
-                block.hash, block.tokens = previous, tuple(chunk)
+                block.hash, block.tokens = previous, content
                 self._by_hash.setdefault(previous, block_id)
             self._hold_prefixes(block_id, sequence.prefix_marks.get(index, ()))
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import structlog
 
 from bus.prefixes import CHUNK_BYTES, prefix_hashes, prompt_bytes
-from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent
+from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TextPart, TokenEvent
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
@@ -67,6 +67,9 @@ class Model(Protocol):
     def grammars(self) -> Any:
         """A workers/engine/grammar.py Grammars for its tokenizer; None: structured output is not served."""
 
+    def vision(self) -> Any:
+        """A workers/engine/vision.py Vision for a vision-language model; None: text only."""
+
 
 @dataclass(frozen=True)
 class _Submit:
@@ -104,6 +107,8 @@ class Engine:
         self._on_cache = on_cache
         self._runner = loaded.runner(config, graph_capture)
         self._grammars = loaded.grammars()
+        self._vision = loaded.vision()
+        self.image_pixels = self._vision.image_pixels if self._vision is not None else None
         capacity = self._runner.num_blocks * config.block_size
         if capacity < config.max_seq_len:
             raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_seq_len {config.max_seq_len}")
@@ -246,17 +251,20 @@ class Engine:
         tokenizer = self._loaded.tokenizer
         if submitted.refusal is not None:
             raise _Rejected(request, f"the grammar cannot be applied: {submitted.refusal}")
+        images = None
         if request.prompt_token_ids is not None:
             prompt_ids = request.prompt_token_ids
             invalid = [t for t in prompt_ids if not 0 <= t < self._loaded.vocab_size]
             if invalid:
                 vocab = self._loaded.vocab_size
                 raise _Rejected(request, f"token id {invalid[0]} is outside the vocabulary [0, {vocab})")
-        elif request.chat_messages is not None:
-            prompt_ids = self._render_chat(request)
+        elif request.chat_messages is not None or request.prompt_parts is not None:
+            prompt_ids, images = self._with_images(request)
         else:
             prompt_ids = tokenizer(request.prompt_text)["input_ids"]
         if request.truncate is not None:
+            if images is not None and request.truncate < len(prompt_ids):
+                raise _Rejected(request, "a prompt with images cannot be truncated (truncate)")
             prompt_ids = prompt_ids[-request.truncate :]
         if not prompt_ids:
             raise _Rejected(request, "the prompt has no tokens")
@@ -276,6 +284,7 @@ class Engine:
             stop_strings=StopStrings(request.sampling.stop, request.sampling.include_stop_str_in_output),
             received_at=received_at,
             matcher=submitted.matcher,
+            images=images,
         )
         sequence.replay(request.generated_token_ids)  # the text goes on exactly where the client's stopped
         if self._on_cache is not None:
@@ -293,16 +302,41 @@ class Engine:
                 marks.setdefault(block, []).append(prefix)
         return marks
 
+    def _with_images(self, request: GenerationRequest) -> tuple[list[int], Any]:
+        """The token ids of a chat or of a raw prompt in parts, and what its images need (vision.py), if any."""
+        if request.images and self._vision is None:
+            raise _Rejected(request, f"model {request.model} does not accept image input")
+        if request.chat_messages is None:
+            text = "".join(
+                p.text if isinstance(p, TextPart) else self._vision.placeholder for p in request.prompt_parts
+            )
+        elif self._vision is None:
+            return self._render_chat(request), None
+        else:
+            text = self._rendered(request, self._vision.render_chat)
+        if self._vision is None:
+            return self._loaded.tokenizer(text)["input_ids"], None
+        from workers.engine.vision import ImageRefused
+
+        try:
+            return self._vision.prepare(text, request.images)
+        except ImageRefused as refused:
+            raise _Rejected(request, str(refused)) from None
+
     def _render_chat(self, request: GenerationRequest) -> list[int]:
         tokenizer = self._loaded.tokenizer
         if not tokenizer.chat_template:
             raise _Rejected(request, "this model has no chat template; use a completion route")
+        rendered = self._rendered(
+            request, lambda m, t: tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=True)
+        )
+        return rendered["input_ids"]
+
+    @staticmethod
+    def _rendered(request: GenerationRequest, render: Callable[[list[dict], list[dict] | None], Any]) -> Any:
         messages = [m.model_dump(exclude_none=True) for m in request.chat_messages or ()]
         try:
-            rendered = tokenizer.apply_chat_template(
-                messages, tools=request.tools, add_generation_prompt=True, tokenize=True
-            )
-            return rendered["input_ids"]
+            return render(messages, request.tools)
         except Exception as error:  # the template refuses the conversation (roles out of order, ...)
             raise _Rejected(request, f"the chat template cannot render these messages: {error}") from None
 

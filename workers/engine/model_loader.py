@@ -1,4 +1,8 @@
-"""Load a Hugging Face causal LM onto the CPU or a GPU: from a directory or the hub, or randomly initialised."""
+"""Load a Hugging Face model onto the CPU or a GPU: from a directory or the hub, or randomly initialised.
+
+Causal LMs, and vision-language models (a config with a `vision_config`:
+LLaVA, Qwen2-VL, ...), which come with their processor (workers/engine/vision.py).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from workers.bundled import DTYPE_NAMES
 
@@ -27,10 +31,22 @@ class LoadedModel:
     vocab_size: int  # valid token ids are [0, vocab_size)
     max_position_embeddings: int
     eos_token_ids: frozenset[int]
+    processor: object = None  # a vision-language model's (images to placeholders and pixels); None: text only
 
     @property
     def device_type(self) -> str:
         return self.device.type
+
+    @property
+    def decoder(self) -> torch.nn.Module:
+        """The transformer that turns token ids (or embeddings) into hidden states: a VLM's language model."""
+        return getattr(self.model.model, "language_model", self.model.model)
+
+    def vision(self):
+        """What prepares and encodes images (workers/engine/vision.py); None for a text-only model."""
+        from workers.engine.vision import Vision
+
+        return Vision(self.model, self.processor) if self.processor is not None else None
 
     def runner(self, config, capture=None):
         """The ModelRunner that computes this model's steps (see Engine); `config` has the device's defaults."""
@@ -56,7 +72,7 @@ class KVGeometry:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> KVGeometry:
-        config = model.config
+        config = model.config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype.itemsize)
 
@@ -76,18 +92,30 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None) -> Loa
     target = pick_device(device)
     chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
     transformers.utils.logging.disable_progress_bar()  # our logs are JSON lines
+    if _is_vision(AutoConfig.from_pretrained(path)):
+        processor = AutoProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=chosen).to(target).eval()
+        return _loaded(model, processor.tokenizer, target, str(path), processor)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen).to(target).eval()
     return _loaded(model, tokenizer, target, str(path))
 
 
-def random_model(config: transformers.PretrainedConfig, tokenizer, device: str = "auto", dtype: str | None = None):
-    """A randomly initialised model of `config`, for timing where no weights are at hand."""
+def random_model(
+    config: transformers.PretrainedConfig, tokenizer, device: str = "auto", dtype: str | None = None, processor=None
+):
+    """A randomly initialised model of `config`, for timing where no weights are at hand, and for tests
+    (a vision-language model's config takes its `processor`, whose tokenizer is `tokenizer`)."""
     target = pick_device(device)
     chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
+    auto = AutoModelForImageTextToText if _is_vision(config) else AutoModelForCausalLM
     with torch.device(target):  # a copy of the config: the engine sets its attention on the model's own
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=chosen).eval()
-    return _loaded(model, tokenizer, target, f"random {config.model_type}")
+        model = auto.from_config(copy.deepcopy(config), dtype=chosen).eval()
+    return _loaded(model, tokenizer, target, f"random {config.model_type}", processor)
+
+
+def _is_vision(config: transformers.PretrainedConfig) -> bool:
+    return getattr(config, "vision_config", None) is not None
 
 
 def keep_freed_memory() -> None:
@@ -105,10 +133,10 @@ def keep_freed_memory() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
 
 
-def _loaded(model, tokenizer, device: torch.device, source: str) -> LoadedModel:
+def _loaded(model, tokenizer, device: torch.device, source: str, processor=None) -> LoadedModel:
     if device.type == "cpu":
         keep_freed_memory()
-    config = model.config
+    config = model.config.get_text_config()
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if eos is None:
         eos = tokenizer.eos_token_id
@@ -120,4 +148,5 @@ def _loaded(model, tokenizer, device: torch.device, source: str) -> LoadedModel:
         vocab_size=config.vocab_size,
         max_position_embeddings=getattr(config, "max_position_embeddings", None) or 1024 * 1024,
         eos_token_ids=frozenset([eos] if isinstance(eos, int) else (eos or [])),
+        processor=processor,
     )

@@ -9,7 +9,9 @@ step that only decodes replays a CUDA graph (cuda_graphs.py), and the KV
 cache gets a share of the memory left once the weights, the largest step's
 work and the graphs have theirs. Logits are computed only for the rows a
 token is drawn from, by the output head, and for the prompt rows of requests
-that ask for their prompt's log-probabilities.
+that ask for their prompt's log-probabilities. For a vision-language model,
+the step's images are encoded first (vision.py) and their features take the
+place of their placeholder tokens' embeddings.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class StepLayout:
     query_starts: list[int]  # chunk c is rows [query_starts[c], query_starts[c + 1]); [] without chunks
     sample_rows: list[int]  # the row each drawn token comes from, in the chunks' order
     first_rows: list[int] = field(default_factory=list)  # each chunk's first row, in the chunks' order
+    mrope: list[list[int]] | None = None  # 3-D rotary models, in steps with prompt tokens: 3 rows of positions
+    image_rows: list[int] = field(default_factory=list)  # rows whose embedding is an image's feature
+    image_features: list[torch.Tensor] = field(default_factory=list)  # theirs, in row order
 
 
 _SCORED_ROWS = 256  # prompt rows scored at once: their float32 logits are rows x vocabulary
@@ -70,13 +75,24 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
     lengths: list[int] = []
     query_starts: list[int] = []
     first_rows = [0] * len(chunks)
+    mrope: list[tuple[int, list[list[int]]]] = []  # (first row, 3 rows of positions) of chunks with prompt tokens
+    image_rows: list[int] = []
+    image_features: list[torch.Tensor] = []
     for index in order:
         chunk = chunks[index]
         sequence, row = chunk.sequence, len(ids)
         start = sequence.num_cached_tokens
         end = start + chunk.num_tokens
         ids.extend(sequence.tokens(start, end))
-        positions.extend(range(start, end))
+        images, prompt_length = sequence.images, len(sequence.prompt_ids)
+        delta = images.rope_delta if images is not None else 0
+        positions.extend(range(start + delta, end + delta))
+        if images is not None and start < prompt_length:
+            if images.mrope is not None:
+                mrope.append((row, images.positions(start, end, prompt_length)))
+            for prompt_index, feature_row, count in images.feature_rows(start, end):
+                image_rows.extend(range(row + prompt_index - start, row + prompt_index - start + count))
+                image_features.append(images.features[feature_row : feature_row + count])
         table = sequence.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         tables.append(table[: -(-end // block_size)])
@@ -88,7 +104,26 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
     if query_starts:
         query_starts.append(len(ids))
     sample_rows = [first_rows[i] + c.num_tokens - 1 for i, c in enumerate(chunks) if c.samples]
-    return StepLayout(ids, positions, slots, tables, lengths, decodes, query_starts, sample_rows, first_rows)
+    three_rows = None
+    if mrope:  # the other rows' three positions are equal
+        three_rows = [list(positions) for _ in range(3)]
+        for row, rows in mrope:
+            for axis in range(3):
+                three_rows[axis][row : row + len(rows[axis])] = rows[axis]
+    return StepLayout(
+        ids,
+        positions,
+        slots,
+        tables,
+        lengths,
+        decodes,
+        query_starts,
+        sample_rows,
+        first_rows,
+        three_rows,
+        image_rows,
+        image_features,
+    )
 
 
 @dataclass(frozen=True)
@@ -125,6 +160,8 @@ class ModelRunner:
         """`config` with its device defaults filled in; `capture`: how decode graphs are captured
         (default: CUDA graphs on a GPU, none on the CPU)."""
         self._model = loaded.model
+        self._decoder = loaded.decoder
+        self._vision = loaded.vision()
         self._device = loaded.device
         self._eos = loaded.eos_token_ids
         self._config = config
@@ -132,7 +169,7 @@ class ModelRunner:
         self.kernels = kernels_for(self._device) if config.attention == "auto" else config.attention
         if self.kernels not in KERNELS:
             raise ValueError(f"attention {config.attention!r} is none of auto, {', '.join(KERNELS)}")
-        self._model.set_attn_implementation(IMPLEMENTATION)
+        self._decoder.set_attn_implementation(IMPLEMENTATION)  # a vision tower keeps its own
         self.head = OutputHead(self._model.get_output_embeddings())
         self._geometry = KVGeometry.of(self._model)
         gpu = self._device.type == "cuda"
@@ -174,7 +211,7 @@ class ModelRunner:
             if alive is not None:
                 alive._before_layer()
 
-        handles = [layer.register_forward_pre_hook(before_layer) for layer in self._model.model.layers]
+        handles = [layer.register_forward_pre_hook(before_layer) for layer in self._decoder.layers]
         weakref.finalize(self, lambda: [handle.remove() for handle in handles])
 
     def _before_layer(self) -> None:
@@ -222,11 +259,22 @@ class ModelRunner:
         # until the tokens are read.
         vocab = self.head.vocab_size
         draws = DrawBatch.of([_draw(c, self._eos, vocab) for c in drawing], vocab, self._device)
+        self._encode_images(chunks)
         step = layout_step(chunks, self.block_size)
         prompt = PromptScoring.of(chunks, step)
         hidden = self.forward(replace(step, sample_rows=step.sample_rows + prompt.rows))
         tokens, logprobs = sample(self.head, hidden[: len(drawing)], draws)
         return StepOutput(tokens, logprobs, self._score_prompt(hidden[len(drawing) :], prompt))
+
+    def _encode_images(self, chunks: list[Chunk]) -> None:
+        """Encode the images of the sequences whose placeholders this step reaches first, in one batch."""
+        pending = []
+        for chunk in chunks:
+            images, start = chunk.sequence.images, chunk.sequence.num_cached_tokens
+            if images is not None and images.features is None and images.feature_rows(start, start + chunk.num_tokens):
+                pending.append(images)
+        if pending:
+            self._vision.encode(pending)
 
     def _score_prompt(self, hidden: torch.Tensor, prompt: PromptScoring) -> dict[str, list[Scored]]:
         if not prompt.rows:
@@ -255,14 +303,14 @@ class ModelRunner:
         if step.query_starts and self.kernels == "triton":
             from workers.engine.triton_attention import prefill_rows, prefill_tiles
 
-            heads = self._model.config.num_attention_heads
+            heads = self._decoder.config.num_attention_heads
             prefill_work = prefill_tiles(
                 step.query_starts, prefill_rows(self._model.dtype, heads, self._geometry.kv_heads)
             )
         parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts]
-        parts += [prefill_work, tables]
+        parts += [prefill_work, tables, step.image_rows, *(step.mrope or ())]
         flat = to_device(torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long), self._device)
-        ids, positions, slots, lengths, sample_rows, query_starts, tiles, flat_tables = flat.split(
+        ids, positions, slots, lengths, sample_rows, query_starts, tiles, flat_tables, image_rows, *mrope = flat.split(
             list(map(len, parts))
         )
         block_tables = flat_tables.view(len(step.tables), width)
@@ -281,11 +329,25 @@ class ModelRunner:
                 tiles=tiles if prefill_work else None,
                 prompts=self._prompt_chunks(step) if self.kernels != "triton" else (),
             )
-            hidden = self._forward(ids, positions, batch)
+            images = (image_rows, torch.cat(step.image_features)) if step.image_features else None
+            hidden = self._forward(ids, torch.stack(mrope)[:, None] if mrope else positions, batch, images)
         return hidden[sample_rows]
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        out = self._model.model(input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=batch)
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: PagedBatch,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`positions`: [rows], or [3, 1, rows] for 3-D rotary positions; `images`: (rows, their features)."""
+        inputs: dict[str, torch.Tensor] = {"input_ids": ids[None]}
+        if images is not None:
+            embeddings = self._decoder.get_input_embeddings()(ids)
+            embeddings[images[0]] = images[1].to(embeddings.dtype)
+            inputs = {"inputs_embeds": embeddings[None]}
+        positions = positions[None] if positions.dim() == 1 else positions
+        out = self._decoder(**inputs, position_ids=positions, use_cache=False, paged=batch)
         return out.last_hidden_state[0]
 
     def _prompt_chunks(self, step: StepLayout) -> tuple[PromptChunk, ...]:

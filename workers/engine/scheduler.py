@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from schemas.messages import aged_priority
-from workers.engine.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager, block_content
 from workers.engine.sequence import Sequence, Status
 
 
@@ -172,8 +172,8 @@ class Scheduler:
         size = self._blocks.block_size
         if len(candidate.prompt_ids) <= size or candidate.request.sampling.prompt_logprobs is not None:
             return False
-        head = candidate.prompt_ids[:size]
-        return any(s.num_cached_tokens < size and s.prompt_ids[:size] == head for s in self.running)
+        head = block_content(candidate, 0, size)  # an image there counts: another image is another block
+        return any(s.num_cached_tokens < size and block_content(s, 0, size) == head for s in self.running)
 
     def start_beside(self, sequence: Sequence) -> Chunk | None:
         """Start a waiting sequence while a step of others runs; its first chunk, or None if it must wait.

@@ -5,12 +5,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenInfo
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.step_output import Scored
 from workers.engine.stop_strings import StopStrings
+
+if TYPE_CHECKING:  # vision.py imports torch, which a simulated worker does without
+    from workers.engine.vision import SequenceImages
 
 
 class Status(Enum):
@@ -41,6 +44,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     prompt_scores: list[Scored] = field(default_factory=list)  # [i] scores prompt token i + 1, when asked
     matcher: Any = None  # an llguidance LLMatcher when the request has a grammar (workers/engine/grammar.py)
+    images: SequenceImages | None = None  # a vision-language model's prompt images (workers/engine/vision.py)
 
     @property
     def request_id(self) -> str:

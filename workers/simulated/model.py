@@ -121,6 +121,9 @@ class SimulatedModel:
         """A simulated model draws its tokens by formula: no grammar can constrain them."""
         return None
 
+    def vision(self) -> None:
+        return None  # its tokens come from a formula: no image could change them
+
     def engine_config(self, config: EngineConfig) -> EngineConfig:
         """`config` with the profile's batch size and step budget where it leaves them open."""
         return replace(
