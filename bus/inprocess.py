@@ -85,8 +85,10 @@ class _InProcessRequestQueue(RequestQueue):
 
 
 class InProcessBus(Bus):
-    def __init__(self) -> None:
+    def __init__(self, max_message_bytes: int | None = None) -> None:
+        """`max_message_bytes`: what a Kafka deployment would carry, so that one process answers as it would."""
         self._topics: dict[str, _Topic] = {}
+        self.max_message_bytes = max_message_bytes
 
     async def start(self) -> None:
         """Nothing to connect to."""

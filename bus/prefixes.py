@@ -1,7 +1,8 @@
 """Prompt prefix hashes: the names gateways and workers give to the prompt prefixes a worker has cached.
 
 Gateways do not tokenize, so the names come from the request as published:
-its prompt (text, chat messages or token ids) read as one byte string, cut
+its prompt (text, chat messages or token ids; an image as a digest of its
+bytes, where it stands) read as one byte string, cut
 into CHUNK_BYTES pieces, each piece hashed together with the hash of all
 before it, as a KV cache names its blocks. Two prompts that start alike
 share their first hashes; a conversation's next turn, which resends the
@@ -12,16 +13,27 @@ from __future__ import annotations
 
 import hashlib
 
-from schemas.messages import GenerationRequest
+from schemas.messages import ContentPart, GenerationRequest, TextPart
 
 CHUNK_BYTES = 256  # about 64 tokens of English: a few KV blocks
 
 
 def prompt_bytes(request: GenerationRequest) -> bytes:
+    images = iter(request.images)
+
+    def text(content: str | list[ContentPart]) -> str:
+        if isinstance(content, str):
+            return content
+        return "".join(
+            p.text if isinstance(p, TextPart) else hashlib.blake2b(next(images)).hexdigest() for p in content
+        )
+
     if request.chat_messages is not None:
-        return "".join(f"\x1e{m.role}\x1f{m.content}" for m in request.chat_messages).encode()
+        return "".join(f"\x1e{m.role}\x1f{text(m.content)}" for m in request.chat_messages).encode()
     if request.prompt_token_ids is not None:
         return ",".join(map(str, request.prompt_token_ids)).encode()
+    if request.prompt_parts is not None:
+        return text(request.prompt_parts).encode()
     return (request.prompt_text or "").encode()
 
 

@@ -18,13 +18,11 @@ from typing import TypeVar
 from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection, Request
 
-from gateway.errors import ApiError, unprocessable
+from gateway.errors import ApiError
 from gateway.grammars import grammar_parameter
 from gateway.inflight import InFlight
-from gateway.media import MediaLoader, MediaRefused
 from gateway.service import GatewayService
 from schemas.messages import FinishReason, ServedModel, TokenEvent
-from schemas.multimodal import MEDIA_KINDS, TextItem, media_reference
 from schemas.parameters import RouteParameters
 
 GENERATION_ERROR = "Generation Error"
@@ -62,31 +60,12 @@ def check_prompt_tokens(model: ServedModel, token_ids: list[int]) -> None:
         )
 
 
-async def prompt_text(text_input: str | list, model_name: str, media: MediaLoader) -> str:
-    """The text of a string or multimodal input; media are loaded (and checked) first.
-
-    Workers serve text-only causal LMs, so a media item that loads is then
-    refused with the contract's 422 naming the model and the media type.
-    """
-    if isinstance(text_input, str):
-        return text_input
-    for item in text_input:
-        if item.type in MEDIA_KINDS:
-            try:
-                await media.load(item.type, media_reference(item))
-            except MediaRefused as refused:
-                raise unprocessable(str(refused)) from None
-            kind = item.type.removesuffix("_url")
-            raise unprocessable(f"model {model_name} does not accept {kind} input")
-    return "\n".join(item.text for item in text_input if isinstance(item, TextItem))
-
-
 async def start(
     service: GatewayService,
     model_name: str,
     parameters: RouteParameters,
     *,
-    text: str | None = None,
+    prompt: dict | None = None,
     token_ids: list[int] | None = None,
     tokens_before: int = 0,
     client_id: str | None = None,
@@ -94,7 +73,9 @@ async def start(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> InFlight:
-    """Resolve the model, check the prompt, publish the request (asking for these log-probabilities, if any)."""
+    """Resolve the model, check the prompt, publish the request (asking for these log-probabilities, if any).
+
+    `prompt`: the prompt fields gateway/prompts.py makes, or `token_ids`."""
     grammar = grammar_parameter(parameters.given("grammar"))
     model = service.resolve(model_name)
     if token_ids is not None:
@@ -103,7 +84,7 @@ async def start(
     return await service.submit(
         model,
         sampling.model_copy(update={"logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "grammar": grammar}),
-        prompt_text=text,
+        **(prompt or {}),
         prompt_token_ids=token_ids,
         priority=parameters.given("priority"),
         timeout_s=parameters.given("timeout"),

@@ -33,6 +33,7 @@ from gateway.router import Router
 from schemas.messages import (
     CancelRequest,
     ChatMessage,
+    ContentPart,
     GatewayHeartbeat,
     GenerationRequest,
     SamplingParams,
@@ -229,6 +230,8 @@ class GatewayService:
         prompt_text: str | None = None,
         prompt_token_ids: list[int] | None = None,
         chat_messages: list[ChatMessage] | None = None,
+        prompt_parts: list[ContentPart] | None = None,
+        images: list[bytes] = (),
         tools: list[dict] | None = None,
         truncate: int | None = None,
         priority: int | None = None,
@@ -247,6 +250,8 @@ class GatewayService:
             prompt_text=prompt_text,
             prompt_token_ids=prompt_token_ids,
             chat_messages=chat_messages,
+            prompt_parts=prompt_parts,
+            images=list(images),
             tools=tools,
             truncate=truncate,
             sampling=sampling,
@@ -343,8 +348,7 @@ class GatewayService:
             raise ApiError(
                 413,
                 PAYLOAD_TOO_LARGE,
-                f"the request takes {size} bytes on the message bus; at most {limit} are carried "
-                "(--kafka-max-message-bytes)",
+                f"the request takes {size} bytes on the message bus; at most {limit} are carried (--max-message-bytes)",
             )
 
     def finish(self, inflight: InFlight) -> None:

@@ -18,7 +18,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from schemas.messages import ChatMessage, SamplingParams, TokenInfo
+from schemas.messages import ChatMessage, ImagePart, SamplingParams, TokenInfo
+from schemas.messages import TextPart as WireTextPart
+from schemas.multimodal import MAX_ITEMS
 from schemas.openai_tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta
 from schemas.parameters import BODY, INT32_MAX
 
@@ -186,11 +188,28 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = BODY
+
+    url: str = Field(min_length=1, description="A data: URI, a file under the media directory, or an allowed URL.")
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
+
+
+class ImageUrlPart(BaseModel):
+    model_config = BODY
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPartIn = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class ChatMessageIn(BaseModel):
     model_config = BODY
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = Field(None, description="None only for an assistant's tool calls.")
+    content: str | list[ContentPartIn] | None = Field(None, description="None only for an assistant's tool calls.")
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls.")
     tool_call_id: str | None = Field(None, description="A tool's result: the call it answers.")
@@ -205,12 +224,19 @@ class ChatMessageIn(BaseModel):
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
+    @property
+    def image_urls(self) -> list[str]:
+        return [p.image_url.url for p in self.content or () if isinstance(p, ImageUrlPart)]
+
     def as_message(self) -> ChatMessage:
+        """The turn as a worker renders it: text, or parts where it has images (the request carries them)."""
         content = self.content or ""
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        if not isinstance(content, str):
+            parts = [WireTextPart(text=p.text) if isinstance(p, TextPart) else ImagePart() for p in content]
+            content = parts if self.image_urls else "".join(p.text for p in content if isinstance(p, TextPart))
         return ChatMessage(
             role="system" if self.role == "developer" else self.role,
-            content=text,
+            content=content,
             tool_calls=[call.for_template() for call in self.tool_calls] if self.tool_calls else None,
             tool_call_id=self.tool_call_id,
         )
@@ -242,6 +268,9 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which tools do not declare")
         if self.tool_choice not in (None, "none", "auto") and self.response_format is not None:
             raise ValueError("response_format cannot be combined with a tool_choice that forces a call")
+        images = sum(len(m.image_urls) for m in self.messages)
+        if images > MAX_ITEMS:
+            raise ValueError(f"messages: {images} image_url parts; at most {MAX_ITEMS} per request")
         return self
 
     @property

@@ -31,7 +31,8 @@ class GenerateRequest(BaseModel):
     model_config = STRICT
 
     id: RequestId = None
-    text_input: str = Field(min_length=1, max_length=512 * 1024)
+    # A multimodal list as generate_stream takes it (beyond MindIE's page for this route: images need it).
+    text_input: Annotated[str, Field(min_length=1, max_length=512 * 1024)] | MultimodalInput
     parameters: GenerateParameters = GenerateParameters()
 
 

@@ -218,7 +218,7 @@ async def test_a_gateway_that_dies_mid_stream_frees_the_workers_slots_within_10_
 
 
 def test_a_request_over_kafkas_default_message_size_crosses_and_one_over_the_limit_is_413(kafka_bootstrap, tmp_path):
-    limit = ("--kafka-max-message-bytes", "2000000")
+    limit = ("--max-message-bytes", "2000000")
     with on_kafka(tmp_path, kafka_bootstrap, worker_args=limit, gateway_args=limit) as (gateway, worker):
         url = f"{gateway.base_url}/v2/models/{MODEL}/generate_stream"
         # 1.5 MB of text, within the route's 4 MB: past Kafka's default 1 MB message (which the producer

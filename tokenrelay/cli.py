@@ -39,7 +39,13 @@ from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
 from tokenrelay import logs, topology
-from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, DTYPE_NAMES
+from workers.bundled import (
+    BUNDLED_MODEL,
+    BUNDLED_MODEL_NAME,
+    BUNDLED_VISION_MODEL,
+    BUNDLED_VISION_MODEL_NAME,
+    DTYPE_NAMES,
+)
 from workers.simulated.profile import names as simulation_profiles
 
 if TYPE_CHECKING:
@@ -140,7 +146,14 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
         parser,
         "--model",
         default=str(BUNDLED_MODEL),
-        help="Hugging Face causal-LM directory or hub id; default: the bundled model",
+        help="Hugging Face causal-LM or vision-language model (LLaVA, Qwen2-VL, ...) directory or hub id; "
+        "default: the bundled model",
+    )
+    _option(
+        parser,
+        "--vision",
+        action="store_true",
+        help=f"serve the bundled vision-language model ({BUNDLED_VISION_MODEL_NAME}) instead of the bundled text one",
     )
     _option(
         parser,
@@ -219,6 +232,17 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _bus_options(parser: argparse.ArgumentParser) -> None:
+    _option(
+        parser,
+        "--max-message-bytes",
+        type=int,
+        default=16 * 2**20,
+        help="largest message the bus carries, on Kafka (its producer, the topics created, the fetches) and in "
+        "process alike: a request larger on the bus (its images count) is answered 413 before it is published",
+    )
+
+
 def _kafka_options(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--kafka-bootstrap", required=True, help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT]")
     _option(parser, "--kafka-replication-factor", type=int, default=1, help="replication of the topics created here")
@@ -237,14 +261,6 @@ def _kafka_options(parser: argparse.ArgumentParser) -> None:
         default=1.5,
         help="seconds a message may take to reach the broker; after that the publisher gives up "
         "(a gateway answers 503)",
-    )
-    _option(
-        parser,
-        "--kafka-max-message-bytes",
-        type=int,
-        default=16 * 2**20,
-        help="largest message carried (the producer, the topics created, the fetches); a request "
-        "larger on the bus is answered 413 before it is published",
     )
     _option(parser, "--kafka-heartbeat-interval-ms", type=int, default=1_000, help="workers: group heartbeat period")
     _option(
@@ -304,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
         _worker_options(sub)
     for sub in (gateway, worker, simulate):
         _kafka_options(sub)
+    for sub in (serve, gateway, worker, simulate):
+        _bus_options(sub)
     for sub in (worker, simulate):
         _option(
             sub,
@@ -322,7 +340,7 @@ def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
         heartbeat_interval_ms=args.kafka_heartbeat_interval_ms,
         max_poll_interval_ms=args.kafka_max_poll_interval_ms,
         publish_timeout_s=args.kafka_publish_timeout,
-        max_message_bytes=args.kafka_max_message_bytes,
+        max_message_bytes=args.max_message_bytes,
     )
     return KafkaBus(settings, client_id=client_id)
 
@@ -358,8 +376,11 @@ def _worker(args: argparse.Namespace, bus: Bus, worker_id: str) -> Worker:
         return Worker(bus, model, model.engine_config(config), names, settings)
     from workers.engine.model_loader import load_model
 
-    names = args.served_model_name or [BUNDLED_MODEL_NAME if args.model == str(BUNDLED_MODEL) else args.model]
-    return Worker(bus, load_model(args.model, args.device, args.dtype or None), config, names, settings)
+    path, name = args.model, args.model
+    if args.model == str(BUNDLED_MODEL):
+        path, name = (BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME) if args.vision else (path, BUNDLED_MODEL_NAME)
+    names = args.served_model_name or [name]
+    return Worker(bus, load_model(str(path), args.device, args.dtype or None), config, names, settings)
 
 
 def _worker_id(args: argparse.Namespace) -> str:
@@ -468,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "up":
         sys.exit(topology.up(args))
     if args.command == "serve":
-        bus: Bus = InProcessBus()
+        bus: Bus = InProcessBus(args.max_message_bytes)
         parts = (_http_server(args, bus), [_worker(args, bus, _worker_id(args))])
     elif args.command == "gateway":
         bus = _kafka_bus(args, client_id=f"gateway-{args.gateway_id or uuid.uuid4().hex[:8]}")

@@ -10,4 +10,6 @@ from pathlib import Path
 
 BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled_model"
 BUNDLED_MODEL_NAME = "tokenrelay-tiny"
+BUNDLED_VISION_MODEL = Path(__file__).resolve().parent / "bundled_vision_model"  # train_bundled_vision_model.py
+BUNDLED_VISION_MODEL_NAME = "tokenrelay-tiny-vision"
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")

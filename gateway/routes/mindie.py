@@ -14,9 +14,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.errors import ErrorBody
-from gateway.generation import complete, error_object, prompt_text, sse_response, start, stream
+from gateway.generation import complete, error_object, sse_response, start, stream
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
+from gateway.prompts import multimodal_prompt
 from gateway.service import GatewayService
 from schemas.messages import FinishReason
 from schemas.mindie import InferTokenRequest, InferTokenResponse, InferTokenStreamEvent
@@ -43,8 +44,8 @@ async def _start(connection: HTTPConnection, body: InferTokenRequest) -> InFligh
     model = service.default_model_name()
     if body.input_id is not None:
         return await start(service, model, body.parameters, token_ids=body.input_id)
-    text = await prompt_text(body.inputs, model, connection.app.state.media)
-    return await start(service, model, body.parameters, text=text)
+    prompt = await multimodal_prompt(body.inputs, service.resolve(model), connection.app.state.media)
+    return await start(service, model, body.parameters, prompt=prompt)
 
 
 async def stream_objects(connection: HTTPConnection, body: InferTokenRequest) -> AsyncIterator[dict]:

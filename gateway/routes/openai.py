@@ -22,6 +22,7 @@ from gateway.generation import check_prompt_tokens, complete_all, sse_response, 
 from gateway.grammars import json_object_grammar, json_schema_grammar
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
+from gateway.prompts import chat_prompt
 from gateway.service import GatewayService
 from gateway.tool_calls import call_id, calls_in, tools_grammar
 from schemas.messages import FinishReason, TokenEvent
@@ -77,7 +78,7 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
     prompt: dict = {}
     grammar = _grammar(body)
     if isinstance(body, ChatCompletionRequest):
-        prompt["chat_messages"] = [m.as_message() for m in body.messages]
+        prompt = await chat_prompt(body.messages, model, connection.app.state.media)
         if body.calls_tools != "none":
             prompt["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
             grammar = grammar or tools_grammar(body)

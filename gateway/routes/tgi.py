@@ -19,6 +19,7 @@ from gateway.errors import ErrorBody, unprocessable
 from gateway.generation import Completion, complete_all, error_object, sse_response, start, start_each, stream
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
+from gateway.prompts import tgi_prompt
 from gateway.service import GatewayService
 from schemas.messages import FinishReason, TokenEvent
 from schemas.tgi import TgiRequest, TgiResponse, TgiStreamEvent
@@ -60,11 +61,12 @@ def _top_tokens(event: TokenEvent) -> list[list[dict]]:
 async def _submit(connection: HTTPConnection, body: TgiRequest, streaming: bool) -> InFlight:
     service: GatewayService = connection.app.state.gateway
     parameters = body.parameters
+    model = service.default_model_name()
     return await start(
         service,
-        service.default_model_name(),
+        model,
         parameters,
-        text=body.inputs,
+        prompt=await tgi_prompt(body.inputs, service.resolve(model), connection.app.state.media),
         truncate=parameters.truncate,
         # Token details carry log-probabilities: a stream's every token, the details' tokens, and best_of ranks by them.
         logprobs=(parameters.top_n_tokens or 0) if streaming or parameters.details or parameters.best_of else None,

@@ -11,8 +11,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.errors import ErrorBody, not_found
-from gateway.generation import complete, error_object, prompt_text, sse_response, start, stream
+from gateway.generation import complete, error_object, sse_response, start, stream
 from gateway.openapi import event_stream
+from gateway.prompts import multimodal_prompt
 from gateway.service import GatewayService
 from schemas.messages import TokenEvent
 from schemas.triton import (
@@ -62,7 +63,7 @@ async def stream_objects(
         service,
         model_name,
         parameters,
-        text=await prompt_text(body.text_input, model_name, connection.app.state.media),
+        prompt=await multimodal_prompt(body.text_input, service.resolve(model_name), connection.app.state.media),
         tokens_before=parameters.tokens_before,
         client_id=body.id,
     )
@@ -86,7 +87,8 @@ async def stream_objects(
 async def generate(model: str, body: GenerateRequest, request: Request) -> JSONResponse:
     """Generate text for a prompt and answer with all of it at once."""
     service: GatewayService = request.app.state.gateway
-    inflight = await start(service, model, body.parameters, text=body.text_input, client_id=body.id)
+    prompt = await multimodal_prompt(body.text_input, service.resolve(model), request.app.state.media)
+    inflight = await start(service, model, body.parameters, prompt=prompt, client_id=body.id)
     done = await complete(service, inflight, request)
     answer: dict = {"id": inflight.client_id, "model_name": model, "model_version": None, "text_output": done.text}
     if body.parameters.wants_details:
