@@ -319,7 +319,7 @@ class Engine:
         from workers.engine.vision import ImageRefused
 
         try:
-            return self._vision.prepare(text, request.images)
+            return self._vision.prepare(text, request.images, rendered=request.chat_messages is not None)
         except ImageRefused as refused:
             raise _Rejected(request, str(refused)) from None
 

@@ -99,19 +99,20 @@ class Vision:
             messages, tools=tools, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
         )
 
-    def prepare(self, text: str, images: list[bytes]) -> tuple[list[int], SequenceImages | None]:
-        """The prompt's token ids, its placeholders expanded, and what its images need."""
+    def prepare(self, text: str, images: list[bytes], rendered: bool) -> tuple[list[int], SequenceImages | None]:
+        """The prompt's token ids, its placeholders expanded, and what its images need. A `rendered` chat has
+        its special tokens (BOS) from the template already: the tokenizer adds none, as for text models."""
         if text.count(self._processor.image_token) != len(images):
             raise ImageRefused(
                 f"the prompt has {text.count(self._processor.image_token)} image places for {len(images)} images"
             )
         if not images:
-            return self.tokenizer(text)["input_ids"], None
+            return self.tokenizer(text, add_special_tokens=not rendered)["input_ids"], None
         try:
             decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
         except Exception as error:  # the gateway checked them; a corrupt one still ends here, not the worker
             raise ImageRefused(f"an image cannot be decoded: {error}") from None
-        inputs = self._processor(text=text, images=decoded, return_tensors="pt")
+        inputs = self._processor(text=text, images=decoded, return_tensors="pt", add_special_tokens=not rendered)
         ids = inputs["input_ids"][0].tolist()
         places = [index for index, token in enumerate(ids) if token == self._image_token_id]
         # Each image's run of placeholders, in order (two images' runs may touch: "<image><image>").
