@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
 import time
 
@@ -19,9 +20,12 @@ import jsonschema
 import pytest
 
 from tests.processes import Process, free_port, wait_ready
+from tests.vision_models import data_uri
 from tokenrelay.bench.chaos import FAILURES, PROMPTS, Kind, Workers, run_chaos
 from tokenrelay.topology import tokenrelay_processes
 from tokenrelay.topology import wait_ready as wait_gateway_ready
+from workers.bundled import BUNDLED_VISION_MODEL_NAME
+from workers.train_bundled_vision_model import draw_example
 
 pytestmark = pytest.mark.kafka
 
@@ -108,6 +112,33 @@ async def _streams(url: str, count: int, while_running=None) -> tuple[list[_Stre
     return streams, structured
 
 
+class _ImageStream:
+    """An OpenAI chat stream about a picture, sampled with a seed, on past its answer (ignore_eos)."""
+
+    def __init__(self, seed: int) -> None:
+        image, question, _ = draw_example(random.Random(seed))
+        content = [{"type": "image_url", "image_url": {"url": data_uri(image)}}, {"type": "text", "text": question}]
+        self.body = {
+            "model": BUNDLED_VISION_MODEL_NAME,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 48,
+            "temperature": 1,
+            "seed": seed,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        self.pieces: list[str] = []
+
+    async def run(self, client: httpx.AsyncClient, base_url: str) -> None:
+        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=self.body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[len("data: ") :])["choices"][0]["delta"]
+                    if delta.get("content"):
+                        self.pieces.append(delta["content"])
+
+
 def _joined(worker: Process) -> bool:
     return any(e.get("partitions", 0) > 0 for e in worker.events_named("partitions_assigned"))
 
@@ -156,6 +187,38 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
     assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
     assert {f["worker_id"] for f in failovers} == set(killed)
     assert sum(f["structured"] for f in failovers) >= 1, [f["structured"] for f in failovers]
+
+
+async def test_a_worker_killed_mid_stream_of_image_requests_resumes_them_identically(
+    kafka_bootstrap, topic_prefix, spawn
+):
+    """The images travel in the request: the worker that takes over encodes the same bytes."""
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
+    workers = [spawn("worker", *kafka, "--vision", "--worker-id", f"v{i}") for i in range(2)]
+    port = free_port()
+    gateway = spawn("gateway", "--port", str(port), *kafka)
+    base_url = f"http://127.0.0.1:{port}"
+    wait_ready(base_url, BUNDLED_VISION_MODEL_NAME, [*workers, gateway])
+
+    async def run(kill: bool) -> list[str]:
+        streams = [_ImageStream(seed) for seed in range(4)]
+        admitted_before = [len(w.events_named("request_admitted")) for w in workers]
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
+            tasks = [asyncio.create_task(s.run(client, base_url)) for s in streams]
+            if kill:
+                while min(len(s.pieces) for s in streams) < 6:
+                    await asyncio.sleep(0.02)
+                taken = [
+                    len(w.events_named("request_admitted")) - b for w, b in zip(workers, admitted_before, strict=True)
+                ]
+                workers[taken.index(max(taken))].popen.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return ["".join(s.pieces) for s in streams]
+
+    reference = await run(kill=False)
+    assert await run(kill=True) == reference
+    failovers = gateway.events_named("request_failing_over")
+    assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
 
 
 def test_a_minute_of_chaos_loses_nothing(kafka_bootstrap, topic_prefix, tmp_path):

@@ -1,5 +1,7 @@
 """Schemathesis over the served OpenAPI document: thousands of generated requests, no 5xx, and every
-response (status, content type, body, each event of a stream) as the document describes it."""
+response (status, content type, body, each event of a stream) as the document describes it, with a
+vision-language model behind it, so that the multimodal fields (MindIE's lists, OpenAI's image_url parts,
+TGI's markdown images) are fuzzed up to the image checks."""
 
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ CONFIG = str(Path(__file__).parent / "schemathesis.toml")
 
 @pytest.mark.timeout(900)
 def test_generated_requests_get_no_server_error_and_only_documented_responses(tmp_path):
-    # Two tokens per request at most, so that valid requests are quick too.
-    with serving(tmp_path, "--max-iter-times", "2", "--max-request-length", "8") as served:
+    # Two tokens per request at most, so that valid requests are quick too. The vision model, under the name
+    # schemathesis.toml puts in paths: the image-bearing fields reach a model that takes images.
+    vision = ("--vision", "--served-model-name", "tokenrelay-tiny")
+    with serving(tmp_path, *vision, "--max-iter-times", "2", "--max-request-length", "8") as served:
         report = tmp_path / "schemathesis.json"
         run = subprocess.run(
             [

@@ -6,6 +6,7 @@ tokenizer with the image tokens each family needs; nothing is downloaded.
 
 from __future__ import annotations
 
+import base64
 import io
 
 import torch
@@ -122,6 +123,13 @@ def drawn_image(width: int, height: int, colour: tuple[int, int, int], seed: int
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def data_uri(image: Image.Image) -> str:
+    """A picture as a request carries it: a PNG in a data: URI."""
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def reference_tokens(loaded: LoadedModel, text: str, images: list[bytes], max_new_tokens: int) -> list[int]:
