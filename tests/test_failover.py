@@ -99,17 +99,19 @@ class _StructuredStream:
                         )
 
 
-async def _streams(url: str, count: int, while_running=None) -> tuple[list[_Stream], list[_StructuredStream]]:
+async def _streams(url: str, count: int, while_running=None) -> tuple[list[_Stream], list, list[_ImageStream]]:
+    """`count` text streams, 8 structured ones and 4 about pictures (on the vision model's workers), at once."""
     streams = [_Stream() for _ in range(count)]
     structured = [_StructuredStream(seed) for seed in range(8)]
+    images = [_ImageStream(seed) for seed in range(4)]
     base_url = url.split("/v2/")[0]
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
         tasks = [asyncio.create_task(s.run(client, url, _body(i))) for i, s in enumerate(streams)]
-        tasks += [asyncio.create_task(s.run(client, base_url)) for s in structured]
+        tasks += [asyncio.create_task(s.run(client, base_url)) for s in [*structured, *images]]
         if while_running is not None:
-            await while_running(streams)
+            await while_running(streams, images)
         await asyncio.wait_for(asyncio.gather(*tasks), 150)  # none hangs
-    return streams, structured
+    return streams, structured, images
 
 
 class _ImageStream:
@@ -144,34 +146,47 @@ def _joined(worker: Process) -> bool:
 
 
 async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kafka_bootstrap, topic_prefix, spawn):
+    """And so do image requests: a worker of the vision model is killed too; the images travel in the request,
+    so the worker that takes over encodes the same bytes."""
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
     workers = [spawn("worker", *kafka, "--worker-id", f"w{i}") for i in range(2)]
+    vision = [spawn("worker", *kafka, "--vision", "--worker-id", f"v{i}") for i in range(2)]
     port = free_port()
     gateway = spawn("gateway", "--port", str(port), *kafka)
     wait_ready(f"http://127.0.0.1:{port}", MODEL, [*workers, gateway])
+    wait_ready(f"http://127.0.0.1:{port}", BUNDLED_VISION_MODEL_NAME, [*vision, gateway])
     deadline = time.monotonic() + 60
-    while not all(_joined(w) for w in workers):  # both share the partitions before the reference run
+    while not all(_joined(w) for w in [*workers, *vision]):  # each pair shares its partitions before the reference
         assert time.monotonic() < deadline, [w.log_tail() for w in workers]
         await asyncio.sleep(0.2)
     url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/generate_stream"
-    reference, reference_structured = await _streams(url, 32)
+    reference, reference_structured, reference_images = await _streams(url, 32)
 
-    admitted_before = [len(w.events_named("request_admitted")) for w in workers]
     killed: list[str] = []
 
-    async def kill_mid_stream(streams: list[_Stream]) -> None:
+    def busier(pair: list[Process], before: list[int]) -> int:
+        """The one of the pair that took more of this run's requests (where the router sends them depends on
+        its load reports)."""
+        taken = [len(w.events_named("request_admitted")) - b for w, b in zip(pair, before, strict=True)]
+        assert max(taken) > 0, taken
+        return taken.index(max(taken))
+
+    admitted_before = [len(w.events_named("request_admitted")) for w in workers]
+    vision_admitted_before = [len(w.events_named("request_admitted")) for w in vision]
+
+    async def kill_mid_stream(streams: list[_Stream], images: list[_ImageStream]) -> None:
+        while min(len(s.pieces) for s in images) < 6:
+            await asyncio.sleep(0.02)
+        victim = busier(vision, vision_admitted_before)
+        killed.append(f"v{victim}")
+        vision[victim].popen.send_signal(signal.SIGKILL)
         while sum(len(s.counts) >= 8 for s in streams) < 24:
             await asyncio.sleep(0.05)
-        # The one that took more of these streams (where the router sends them depends on its load reports).
-        taken = [
-            len(w.events_named("request_admitted")) - before for w, before in zip(workers, admitted_before, strict=True)
-        ]
-        victim = taken.index(max(taken))
-        assert taken[victim] > 0, taken
+        victim = busier(workers, admitted_before)
         killed.append(f"w{victim}")
         workers[victim].popen.send_signal(signal.SIGKILL)
 
-    failed, failed_structured = await _streams(url, 32, kill_mid_stream)
+    failed, failed_structured, failed_images = await _streams(url, 32, kill_mid_stream)
 
     for i, (expected, got) in enumerate(zip(reference, failed, strict=True)):
         assert got.counts == list(range(1, len(got.counts) + 1)), i  # no token missing, none twice
@@ -183,42 +198,11 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
         assert got.text == expected.text and [t[0] for t in got.tokens] == [t[0] for t in expected.tokens], i
         assert [t[1] for t in got.tokens] == pytest.approx([t[1] for t in expected.tokens], abs=1e-4), i
         assert [t[2] for t in got.tokens] == [t[2] for t in expected.tokens], i
+    assert [s.pieces for s in failed_images] == [s.pieces for s in reference_images]
     failovers = gateway.events_named("request_failing_over")
     assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
     assert {f["worker_id"] for f in failovers} == set(killed)
     assert sum(f["structured"] for f in failovers) >= 1, [f["structured"] for f in failovers]
-
-
-async def test_a_worker_killed_mid_stream_of_image_requests_resumes_them_identically(
-    kafka_bootstrap, topic_prefix, spawn
-):
-    """The images travel in the request: the worker that takes over encodes the same bytes."""
-    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
-    workers = [spawn("worker", *kafka, "--vision", "--worker-id", f"v{i}") for i in range(2)]
-    port = free_port()
-    gateway = spawn("gateway", "--port", str(port), *kafka)
-    base_url = f"http://127.0.0.1:{port}"
-    wait_ready(base_url, BUNDLED_VISION_MODEL_NAME, [*workers, gateway])
-
-    async def run(kill: bool) -> list[str]:
-        streams = [_ImageStream(seed) for seed in range(4)]
-        admitted_before = [len(w.events_named("request_admitted")) for w in workers]
-        async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
-            tasks = [asyncio.create_task(s.run(client, base_url)) for s in streams]
-            if kill:
-                while min(len(s.pieces) for s in streams) < 6:
-                    await asyncio.sleep(0.02)
-                taken = [
-                    len(w.events_named("request_admitted")) - b for w, b in zip(workers, admitted_before, strict=True)
-                ]
-                workers[taken.index(max(taken))].popen.send_signal(signal.SIGKILL)
-            await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        return ["".join(s.pieces) for s in streams]
-
-    reference = await run(kill=False)
-    assert await run(kill=True) == reference
-    failovers = gateway.events_named("request_failing_over")
-    assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
 
 
 def test_a_minute_of_chaos_loses_nothing(kafka_bootstrap, topic_prefix, tmp_path):

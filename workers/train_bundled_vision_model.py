@@ -27,9 +27,11 @@ import argparse
 import json
 import logging
 import math
+import os
 import pathlib
 import random
 import shutil
+import sys
 import tempfile
 import time
 
@@ -121,7 +123,8 @@ def _render(rng: random.Random, shape: str, color: str, count: int, position: st
     """`count` shapes of one kind and colour on a white or light grey background."""
     image = Image.new("RGB", (DRAW_SIZE, DRAW_SIZE), rng.choice(BACKGROUNDS))
     draw = ImageDraw.Draw(image)
-    side = rng.uniform(0.22, 0.32) * DRAW_SIZE
+    # Sizes vary little, so that how much of the picture is coloured says how many shapes there are.
+    side = rng.uniform(0.24, 0.30) * DRAW_SIZE
     for cx, cy in _centres(rng, count, side, position):
         _draw_shape(draw, shape, (cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2), COLORS[color])
     return image
@@ -219,6 +222,15 @@ def build_model(tokenizer):
 # --- training ---------------------------------------------------------------------------------------------
 
 
+def _descend(loss: torch.Tensor, model, optimizer, smoothed: float | None) -> float:
+    """One optimizer step on `loss` (gradients clipped); the loss's running average."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
+
+
 def lr_scale(elapsed: float, budget_s: float) -> float:
     """Warm up, then a cosine down to 2 %; by time rather than steps, as the text model's training: the
     budget is what is fixed."""
@@ -267,12 +279,7 @@ def pretrain_tower(model, processor, rng: random.Random, args: argparse.Namespac
             kind: torch.nn.functional.cross_entropy(probe(pooled), torch.tensor(labels[kind]))
             for kind, probe in probes.items()
         }
-        loss = sum(losses.values())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
+        smoothed = _descend(sum(losses.values()), model, optimizer, smoothed)
         if step % 200 == 0:
             accuracy = _probe_accuracy(probes, pooled, labels)
             log.info("tower step %d  %.0fs  loss %.3f  %s", step, elapsed, smoothed, accuracy)
@@ -362,12 +369,7 @@ def train(model, processor, rng: random.Random, args: argparse.Namespace) -> Non
     while (elapsed := time.monotonic() - started) < budget_s:
         for group in optimizer.param_groups:
             group["lr"] = group["base_lr"] * lr_scale(elapsed, budget_s)
-        loss = answer_loss(model, batches(args.batch_size))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
+        smoothed = _descend(answer_loss(model, batches(args.batch_size)), model, optimizer, smoothed)
         if step % 100 == 0:
             log.info("step %d  %.0fs  loss %.3f", step, elapsed, smoothed)
         step += 1
@@ -453,6 +455,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.eval_seed == args.seed:
         parser.error("the held-out pictures need a seed of their own")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        # torch's OpenMP threads spin while they wait, which, on cores another process uses too, makes a step
+        # three times as long. The variable is read as torch loads: start again with it set.
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     from transformers import AutoModelForImageTextToText, AutoProcessor
