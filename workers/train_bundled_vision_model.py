@@ -2,20 +2,23 @@
 
 The server's image routes need a model that really looks at an image, and the
 project cannot download one, so it carries a tiny LLaVA: a CLIP vision tower
-trained here from scratch, LLaVA's two-layer projector, and the bundled text
-model (workers/bundled_model/) as its language model, with one added token,
-`<image>`. The training data is drawn with PIL: one to three shapes of one kind
-and colour on a plain background, and four questions about them (colour, shape,
-count, position), answered in one word. The loss is on the answer and the end
-of sequence only, so the model keeps the text model's prompt format.
+(48 x 48 pixels, 3 layers) trained here from scratch, LLaVA's two-layer
+projector, and the bundled text model (workers/bundled_model/) as its language
+model, with one added token, `<image>` (id 32000). The pictures are drawn with
+PIL: one to three shapes of one kind and colour on a plain background. Four
+questions about them (QUESTIONS: colour, shape, count, position) are answered
+in one word and the end of sequence.
 
-After training, the script asks held-out pictures (drawn from another seed)
-through the saved processor and `generate`, as a caller would, checks the
-float16 copy it writes, and logs the accuracy of each question type:
+Training has two stages, both on freshly drawn pictures. First the tower and
+projector alone learn the four properties as classes (cheap steps, no language
+model); then the whole model learns the chats, with the loss on the answer
+only. After training, the script asks held-out pictures (drawn from another
+seed) through the processor and `generate`, as a caller would, saves float16
+weights, loads them back and asks again, logging the accuracy of each type:
 
     python -m workers.train_bundled_vision_model --minutes 9
 
-It writes fp16 safetensors and the processor (chat template included) into
+It writes the model and the processor (chat template included) into
 workers/bundled_vision_model/, loadable with AutoModelForImageTextToText and
 AutoProcessor. Nothing here runs at serving time; the output is committed.
 Tests draw their own pictures with `draw_example` and `QUESTIONS`.
@@ -429,6 +432,8 @@ def save(model, processor, output: pathlib.Path) -> None:
             json.dumps(json.loads(tokenizer_file.read_text("utf-8")), ensure_ascii=False, separators=(",", ":")),
             "utf-8",
         )
+        for path in staged.iterdir():
+            path.chmod(0o644)  # safetensors writes its file for its owner alone
         if output.exists():
             shutil.rmtree(output)
         staged.rename(output)
