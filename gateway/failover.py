@@ -70,6 +70,8 @@ class Failover:
             self._fail_over(inflight, "tokens lost")
 
     def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
+        for inflight in self._registry.handed_back(heartbeat):
+            self._fail_over(inflight, "handed back by a draining worker")
         for inflight in self._registry.observe(heartbeat):
             self._fail_over(inflight, "lost by its worker")
 

@@ -178,3 +178,13 @@ class InFlightRegistry:
                 if inflight.unlisted >= UNLISTED_HEARTBEATS:
                     lost.append(inflight)
         return lost
+
+    def handed_back(self, heartbeat: WorkerHeartbeat) -> list[InFlight]:
+        """The requests a draining worker says it will not run (their current attempt)."""
+        return [
+            inflight
+            for request_id, attempt in heartbeat.handed_back.items()
+            if (inflight := self._requests.get(request_id)) is not None
+            and inflight.request.attempt == attempt
+            and not inflight.finished
+        ]

@@ -86,6 +86,9 @@ class Router:
         self._workers: dict[str, _WorkerView] = {}
 
     def observe(self, load: WorkerLoad) -> None:
+        if load.draining:
+            self.forget(load.worker_id)
+            return
         view = self._workers.get(load.worker_id)
         read = load.inbox_reads.get(self._reply_to, 0)
         if view is None or read < view.read:  # new to it, or the worker restarted under the same id
@@ -98,7 +101,7 @@ class Router:
         view.load, view.heard_at, view.read = load, time.monotonic(), read
 
     def forget(self, worker_id: str) -> None:
-        """The worker left: route nothing more to it."""
+        """The worker left or drains: route nothing more to it."""
         self._workers.pop(worker_id, None)
 
     def knows(self, model: str) -> bool:

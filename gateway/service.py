@@ -9,6 +9,7 @@ another gateway took is asked of every gateway on the control topic.
 Its heartbeats go to the control topic (workers drop the requests of a gateway
 that stops sending them) and to its own reply topic: a listener that does not
 hear its own gateway's heartbeats for a while is stuck, and is rebuilt.
+Draining (SIGTERM) refuses new requests with 503 while those in flight end.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class GatewayService:
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
         self._cancelling: set[asyncio.Task] = set()  # cancellations being published
+        self.draining = False
 
     async def start(self) -> None:
         await self._bus.create_topics({self._reply_topic: 1, self._control_topic: 1, self._routing_topic: 1})
@@ -128,6 +130,18 @@ class GatewayService:
             await self._bus.delete_topics([self._reply_topic])
         except Exception as error:  # the broker may be gone already; the topic is then left behind
             log.warning("reply_topic_not_deleted", topic=self._reply_topic, error=str(error))
+
+    def start_draining(self) -> None:
+        """Refuse new requests (503), so that clients and load balancers go to another gateway."""
+        self.draining = True
+        log.info("gateway_draining", gateway_id=self.gateway_id, in_flight=len(self.inflight))
+
+    async def drained(self, timeout_s: float) -> None:
+        """Until every request in flight has ended, or `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("gateway_drained", gateway_id=self.gateway_id, cut_short=len(self.inflight))
 
     async def _route_replies(self, replies: Listener) -> None:
         async for message in replies:
@@ -262,6 +276,14 @@ class GatewayService:
             reply_to=self._reply_topic,
         )
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        if self.draining:
+            self._metrics.failures.labels(model.name, SERVICE_UNAVAILABLE).inc()
+            raise ApiError(
+                503,
+                SERVICE_UNAVAILABLE,
+                "this gateway is shutting down; send the request to another one",
+                headers={"Retry-After": "0", "Connection": "close"},
+            )
         self._check_size(request)
         if len(self.inflight) >= self._settings.max_in_flight:
             self._metrics.failures.labels(model.name, TOO_MANY_REQUESTS).inc()

@@ -246,6 +246,8 @@ class WorkerHeartbeat(_Message):
     requests: dict[str, int] = {}
     interval_s: float  # how often to expect the next one
     leaving: bool = False  # the worker is shutting down: forget it now
+    # Request id -> attempt of requests it had taken and will not run (it is draining): fail them over now.
+    handed_back: dict[str, int] = {}
 
 
 class WorkerLoad(_Message):
@@ -277,6 +279,7 @@ class WorkerLoad(_Message):
     # a gateway counts against the worker's room what it routed there that this does not show read yet.
     inbox_reads: dict[str, int] = {}
     interval_s: float  # the longest wait for its next report
+    draining: bool = False  # it finishes what it runs and takes nothing more: route nothing to it
 
 
 class StopClientRequest(_Message):

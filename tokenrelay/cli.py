@@ -322,6 +322,15 @@ def build_parser() -> argparse.ArgumentParser:
         _kafka_options(sub)
     for sub in (serve, gateway, worker, simulate):
         _bus_options(sub)
+    for sub in (serve, gateway, worker, simulate):
+        _option(
+            sub,
+            "--drain-timeout",
+            type=float,
+            default=30.0,
+            help="seconds a SIGTERM/SIGINT leaves running requests to end (new ones are refused, or go to other "
+            "workers) before the process hands them over and exits; a second signal stops at once",
+        )
     for sub in (worker, simulate):
         _option(
             sub,
@@ -402,8 +411,9 @@ def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
             allowed_domains=MediaPolicy.parse_domains(args.allowed_media_domains),
         )
     )
+    service = GatewayService(bus, settings)
     app = create_app(
-        GatewayService(bus, settings),
+        service,
         media,
         max_request_bytes=args.max_request_length * 1024 * 1024,
         api_keys=load_keys(args.api_keys, args.api_keys_file),
@@ -416,9 +426,10 @@ def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
         access_log=False,
         ws_ping_interval=20.0,  # WebSocket clients are pinged; one silent for 20 s more is closed
         ws_ping_timeout=20.0,
+        timeout_graceful_shutdown=5.0,  # after the drain: only idle connections are left to close
         **_tls(args),
     )
-    return _Server(config)
+    return _Server(config, service)
 
 
 def _tls(args: argparse.Namespace) -> dict:
@@ -436,6 +447,10 @@ def _tls(args: argparse.Namespace) -> dict:
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: GatewayService) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+
     @contextlib.contextmanager
     def capture_signals(self):
         # This process handles SIGINT/SIGTERM itself (see _run), so that it can
@@ -443,16 +458,17 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _run(bus: Bus, server: uvicorn.Server | None, workers: list[Worker]) -> bool:
+async def _run(bus: Bus, server: _Server | None, workers: list[Worker], drain_timeout_s: float) -> bool:
     """Run the parts until a signal, or until one of them ends; then stop them all.
 
+    A first signal drains them first (at most `drain_timeout_s`), a second one cuts that short.
     Returns False when a part failed.
     """
     failed = False
-    stopping = asyncio.Event()
+    stopping, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(sig, lambda: hurry.set() if stopping.is_set() else stopping.set())
     await bus.start()
     tasks = [asyncio.create_task(stopping.wait(), name="signal")]
     try:
@@ -465,6 +481,9 @@ async def _run(bus: Bus, server: uvicorn.Server | None, workers: list[Worker]) -
             if task.get_name() != "signal":  # a part that ends by itself has failed
                 failed = True
                 log.error("part_failed", part=task.get_name(), error=repr(task.exception()))
+        if not failed:
+            parts = [task for task in tasks if task.get_name() != "signal"]
+            failed = not await _drain(server.gateway if server else None, workers, drain_timeout_s, hurry, parts)
     finally:
         if server is not None:
             server.should_exit = True
@@ -475,6 +494,34 @@ async def _run(bus: Bus, server: uvicorn.Server | None, workers: list[Worker]) -
         await asyncio.gather(*(worker.stop() for worker in workers))
         await bus.close()
         log.info("stopped")
+    return not failed
+
+
+async def _drain(
+    gateway: GatewayService | None,
+    workers: list[Worker],
+    timeout_s: float,
+    hurry: asyncio.Event,
+    parts: list[asyncio.Task],
+) -> bool:
+    """Refuse new requests, let those in flight end; cut short by a second signal. False if a part failed meanwhile."""
+    if gateway is not None:
+        gateway.start_draining()
+    drains = [worker.drain(timeout_s) for worker in workers] + ([gateway.drained(timeout_s)] if gateway else [])
+    draining = asyncio.ensure_future(asyncio.gather(*drains))
+    hurried = asyncio.create_task(hurry.wait())
+    try:
+        done, _ = await asyncio.wait([draining, hurried, *parts], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hurried.cancel()
+        draining.cancel()
+        await asyncio.gather(draining, hurried, return_exceptions=True)
+    failed = [task for task in done if task in parts]
+    for task in failed:
+        log.error("part_failed", part=task.get_name(), error=repr(task.exception()))
+    if draining in done and draining.exception() is not None:
+        log.error("drain_failed", error=repr(draining.exception()))
+        return False
     return not failed
 
 
@@ -506,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
             host, _, port = args.metrics_address.rpartition(":")
             prometheus_client.start_http_server(int(port), addr=host or "0.0.0.0")
     try:
-        ok = asyncio.run(_run(bus, *parts))
+        ok = asyncio.run(_run(bus, *parts, args.drain_timeout))
     except Exception:
         log.exception("failed")
         ok = False

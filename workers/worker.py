@@ -13,12 +13,15 @@ leave as one message per gateway. Heartbeats on the control topic tell
 gateways that it lives, what it serves and which requests it runs (a gateway
 fails over the ones a worker stops listing); cancellations and the gateways'
 heartbeats arrive there too: the requests of a gateway that left or went
-silent are cancelled, or skipped when taken.
+silent are cancelled, or skipped when taken. Draining (SIGTERM) stops the
+taking, leaves the group and hands back what waits; what runs either ends
+here or is handed over when the drain's time is up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -58,7 +61,7 @@ _GATEWAY_SILENCE_S = 3.0
 _FORGET_GONE_GATEWAY_S = 3600.0  # the longest timeout a request may have
 # Own heartbeats published this long without one coming back: rebuild the control consumer.
 _CONTROL_STUCK_S = 10.0
-_INBOX = "inbox"  # the source of a Delivery read from the worker's inbox: nothing to acknowledge
+_NOTHING_TO_ACKNOWLEDGE = "inbox"  # a Delivery's source: read from the inbox, or acknowledged already
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,10 @@ class Worker:
         self._queue: RequestQueue | None = None
         self._control: Listener | None = None
         self._inbox: Listener | None = None
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._draining = False
+        # Request id -> attempt, taken and given up while draining: heartbeats name them so gateways fail them over.
+        self._handed_back: dict[str, int] = {}
 
     async def start(self) -> None:
         """Create the topics, open the inbox, join the request group, start the engine."""
@@ -155,15 +162,19 @@ class Worker:
     async def run(self) -> None:
         """Serve until cancelled, or until a part of the worker fails."""
         assert self._queue is not None and self._control is not None and self._inbox is not None
-        tasks = [
-            asyncio.create_task(self._take_requests(self._queue), name="take-requests"),
-            asyncio.create_task(self._read_inbox(self._inbox), name="read-inbox"),
-            asyncio.create_task(self._load.run(), name="load-reports"),
-            asyncio.create_task(self._publish_events(self._queue), name="publish-events"),
-            asyncio.create_task(self._follow_control(self._control), name="follow-control"),
-            asyncio.create_task(self._send_heartbeats(), name="heartbeats"),
-            asyncio.create_task(self._measure_backlog(self._queue), name="measure-backlog"),
-        ]
+        self._tasks = {
+            name: asyncio.create_task(coroutine, name=name)
+            for name, coroutine in (
+                ("take-requests", self._take_requests(self._queue)),
+                ("read-inbox", self._read_inbox(self._inbox)),
+                ("load-reports", self._load.run()),
+                ("publish-events", self._publish_events(self._queue)),
+                ("follow-control", self._follow_control(self._control)),
+                ("heartbeats", self._send_heartbeats()),
+                ("measure-backlog", self._measure_backlog(self._queue)),
+            )
+        }
+        tasks = list(self._tasks.values())
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -173,10 +184,45 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Take nothing more and let what runs end, for at most `timeout_s`; stop() then hands over the rest.
+
+        The routers hear at once that it drains; it leaves the request group
+        at once, so that what waits in the shared topics goes to the other
+        workers; what waits in its inbox is handed back to the gateways.
+        """
+        assert self._queue is not None
+        self._draining = True
+        log.info("worker_draining", worker_id=self._settings.worker_id, running=len(self._active))
+        for delivery in self._inbox_waiting:
+            self._hand_back(delivery)
+        self._inbox_waiting.clear()
+        self._load.changed()
+        for name in ("take-requests", "measure-backlog"):  # the two that use the queue, besides event publishing
+            if (task := self._tasks.get(name)) is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        for taken in self._active.values():
+            # Acknowledged now, as if it ended: no other worker is to take it from the topic too (its gateway
+            # fails it over if it does not end here); nothing is left to acknowledge when it ends.
+            self._finished(taken.delivery)
+            taken.delivery = dataclasses.replace(taken.delivery, source=_NOTHING_TO_ACKNOWLEDGE)
+        await self._queue.close()  # leaves the group
+        await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published")
+        deadline = time.monotonic() + timeout_s
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("worker_drained", worker_id=self._settings.worker_id, handed_over=len(self._active))
+
+    def _hand_back(self, delivery: Delivery) -> None:
+        self._handed_back[delivery.request.request_id] = delivery.request.attempt
+        self._finished(delivery)
+        log.info("request_handed_back", request_id=delivery.request.request_id, attempt=delivery.request.attempt)
+
     async def stop(self) -> None:
         await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
         self._engine.stop()
-        if self._queue is not None:
+        if self._queue is not None and not self._draining:  # a drain has closed it
             await self._queue.close()
         if self._control is not None:
             await self._control.close()
@@ -200,7 +246,7 @@ class Worker:
     # -- taking requests
 
     async def _take_requests(self, queue: RequestQueue) -> None:
-        while True:
+        while True:  # until drain() cancels it
             if not self._engine.alive():
                 raise RuntimeError("the engine thread died")
             offer(self._inbox_waiting, self._take_on, self._config.aging_s)  # routed here: first
@@ -209,6 +255,8 @@ class Worker:
 
     async def _fill_freed_slots(self, queue: RequestQueue) -> None:
         """Requests finished: start what waits here now, rather than on the take loop's next turn."""
+        if self._draining:
+            return
         offer(self._inbox_waiting, self._take_on, self._config.aging_s)
         queue.offer_waiting(self._take_on)
         await self._settle_drops()
@@ -220,7 +268,10 @@ class Worker:
                 self._inbox_echo.own_heard(time.monotonic())
             elif isinstance(message, GenerationRequest):
                 self._inbox_reads[message.reply_to] += 1
-                self._inbox_waiting.append(Delivery(message, _INBOX))
+                if self._draining:  # routed here before its gateway heard
+                    self._hand_back(Delivery(message, _NOTHING_TO_ACKNOWLEDGE))
+                    continue
+                self._inbox_waiting.append(Delivery(message, _NOTHING_TO_ACKNOWLEDGE))
                 offer(self._inbox_waiting, self._take_on, self._config.aging_s)
                 self._load.changed()
                 await self._settle_drops()
@@ -240,7 +291,7 @@ class Worker:
             self._finished(delivery)
 
     def _finished(self, delivery: Delivery) -> None:
-        if delivery.source is not _INBOX:
+        if delivery.source is not _NOTHING_TO_ACKNOWLEDGE:
             assert self._queue is not None
             self._queue.finished(delivery)
 
@@ -387,6 +438,7 @@ class Worker:
             "seconds_per_prompt_token": self._engine.seconds_per_prompt_token,
             **self._engine.prompt_stats(),
             "inbox_reads": dict(self._inbox_reads),
+            "draining": self._draining,
         }
 
     def _heartbeat(self, leaving: bool = False) -> WorkerHeartbeat:
@@ -400,6 +452,7 @@ class Worker:
             capacity=self._config.max_batch_size,
             interval_s=self._settings.heartbeat_interval_s,
             leaving=leaving,
+            handed_back=self._handed_back,
         )
 
     async def _send_heartbeats(self) -> None:

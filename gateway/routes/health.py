@@ -19,8 +19,10 @@ async def live() -> Response:
 
 @router.get("/v2/health/ready", response_class=Response, responses={503: {"model": ErrorBody}})
 async def ready(request: Request) -> Response:
-    """Some worker is serving some model."""
+    """Some worker is serving some model, and the gateway is not shutting down."""
     service: GatewayService = request.app.state.gateway
+    if service.draining:
+        raise unavailable("this gateway is shutting down")
     if not service.directory.any_live():
         raise unavailable("no worker is serving any model yet")
     return Response(status_code=200)
