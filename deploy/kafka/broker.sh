@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
-# A real single-node Apache Kafka (KRaft: broker and controller in one JVM) on
-# loopback, from Maven Central's jars, for machines without Docker.
+# A real Apache Kafka (KRaft) on loopback, from Maven Central's jars, for
+# machines without Docker: one node by default, or a replicated cluster of
+# several, as production runs it.
 #
-#   deploy/kafka/broker.sh start [--port 9092] [--dir /tmp/tokenrelay-kafka]
+#   deploy/kafka/broker.sh start [--port 9092] [--dir /tmp/tokenrelay-kafka] [--brokers 1]
 #   deploy/kafka/broker.sh stop  [--dir /tmp/tokenrelay-kafka]
+#   deploy/kafka/broker.sh kill       --node N [--dir ...]   # SIGKILL one node of a cluster
+#   deploy/kafka/broker.sh start-node --node N [--dir ...]   # start it again
 #
 # `start` fetches the jars on first use (Maven), formats the storage when the
 # directory is new, starts the broker in the background with a small heap, and
 # returns once a client can list topics; it prints the bootstrap address.
-# `stop` ends the broker that `start` left in that directory.
+# `stop` ends the broker (or every node of the cluster) that `start` left in
+# that directory.
+#
+# With --brokers N (3 or more) `start` runs N nodes, each a broker and a
+# controller in one JVM, node i (1..N) in DIR/node<i> on client port
+# PORT+2(i-1) and controller port PORT+2(i-1)+1 (the single node's layout,
+# repeated), and prints the bootstrap list, comma-separated. Every node is a
+# voter of the controller quorum, so a majority (2 of 3) keeps metadata and
+# leader elections going when one dies. Topics default to replication 3 and
+# min.insync.replicas 2: an acks=all write is on two nodes before it is
+# acknowledged, and a topic keeps taking writes with one node down.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -16,29 +29,49 @@ command="${1:-}"
 shift || true
 port=9092
 dir=/tmp/tokenrelay-kafka
+brokers=1
+node=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --port) port="$2"; shift 2 ;;
     --dir) dir="$2"; shift 2 ;;
+    --brokers) brokers="$2"; shift 2 ;;
+    --node) node="$2"; shift 2 ;;
     *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
 done
+classpath="$here/lib/*"
 
-stop() {
-  [ -f "$dir/broker.pid" ] || return 0
-  pid="$(cat "$dir/broker.pid")"
+# Ends the JVM whose pid is in $1 (SIGTERM, a clean shutdown; SIGKILL after 10 s).
+stop_pidfile() {
+  [ -f "$1" ] || return 0
+  pid="$(cat "$1")"
   if kill "$pid" 2>/dev/null; then
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
   fi
-  rm -f "$dir/broker.pid"
+  rm -f "$1"
 }
 
-start() {
+stop() {
+  stop_pidfile "$dir/broker.pid"
+  # A cluster's nodes all at once: one by one, each clean shutdown would wait
+  # for its partitions' leadership to move to nodes about to stop too.
+  for pidfile in "$dir"/node*/broker.pid; do
+    [ -f "$pidfile" ] && stop_pidfile "$pidfile" &
+  done
+  wait
+}
+
+fetch_jars() {
   if [ ! -f "$here/lib/.fetched" ]; then
     mvn -q -B -f "$here/pom.xml" package >&2
     touch "$here/lib/.fetched"
   fi
+}
+
+start() {
+  fetch_jars
   mkdir -p "$dir"
   if [ -f "$dir/broker.pid" ] && kill -0 "$(cat "$dir/broker.pid")" 2>/dev/null; then
     echo "a broker already runs from $dir" >&2
@@ -70,7 +103,6 @@ share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 group.min.session.timeout.ms=1000
 PROPS
-  classpath="$here/lib/*"
   java_opts=(-Xms128m -Xmx512m -XX:+UseSerialGC -Dlog4j2.configurationFile="$here/log4j2.properties"
              -Dkafka.logs.dir="$dir")
   if [ ! -f "$dir/data/meta.properties" ]; then
@@ -99,8 +131,202 @@ PROPS
   exit 1
 }
 
+# ---- A cluster: --brokers N (N >= 3) ----------------------------------------
+
+# The JVM options of a node whose files are in $1: the single node's small heap,
+# and only the quick JIT compiler (C1), since three JVMs starting at once on a
+# small machine spend most of their start compiling; a local broker's load
+# never needs C2's faster code.
+java_opts_of() {
+  echo -Xms128m -Xmx512m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 \
+    -Dlog4j2.configurationFile="$here/log4j2.properties" -Dkafka.logs.dir="$1"
+}
+
+# A Kafka Uuid: 16 random bytes, URL-safe base64 without padding, never
+# starting with "-" (it would read as a flag). Made here rather than by
+# `StorageTool random-uuid`: each JVM start costs seconds on a small machine.
+uuid() {
+  local id
+  while :; do
+    id="$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')"
+    if [ "${id:0:1}" != "-" ]; then echo "$id"; return; fi
+  done
+}
+
+# Exits 0 once the broker at $1 lists node $2 among its live (unfenced)
+# brokers: that node has caught up with the metadata and can lead partitions.
+lists_node() {
+  java -Xmx128m -XX:TieredStopAtLevel=1 -cp "$classpath" -Dlog4j2.configurationFile="$here/log4j2.properties" \
+    org.apache.kafka.tools.BrokerApiVersionsCommand --bootstrap-server "$1" 2>/dev/null \
+    | grep -q "(id: $2 "
+}
+
+node_running() {
+  [ -f "$dir/node$1/broker.pid" ] && kill -0 "$(cat "$dir/node$1/broker.pid")" 2>/dev/null
+}
+
+launch_node() {  # starts node $1's JVM in the background, from its formatted directory
+  local home="$dir/node$1"
+  # shellcheck disable=SC2046
+  nohup java $(java_opts_of "$home") -cp "$classpath" kafka.Kafka "$home/server.properties" \
+    >>"$home/broker.log" 2>&1 </dev/null &
+  echo $! >"$home/broker.pid"
+}
+
+# Waits until node $1 answers on its client port and sees itself unfenced.
+await_node() {
+  local home="$dir/node$1" client_port
+  client_port="$(sed -n 's/^listeners=PLAINTEXT:\/\/127.0.0.1:\([0-9]*\),.*/\1/p' "$home/server.properties")"
+  for _ in $(seq 120); do
+    if ! node_running "$1"; then
+      echo "node $1 exited; see $home/broker.log" >&2
+      tail -n 20 "$home/broker.log" >&2
+      return 1
+    fi
+    if lists_node "127.0.0.1:$client_port" "$1"; then return 0; fi
+    sleep 0.5
+  done
+  echo "node $1 did not answer within a minute; see $home/broker.log" >&2
+  return 1
+}
+
+write_node_config() {  # node $1's server.properties, for a cluster of $brokers nodes from $port
+  local i="$1" home="$dir/node$1" client_port controller_port controllers=()
+  for n in $(seq "$brokers"); do controllers+=("127.0.0.1:$((port + 2 * (n - 1) + 1))"); done
+  client_port=$((port + 2 * (i - 1)))
+  controller_port=$((client_port + 1))
+  mkdir -p "$home"
+  # Production's replication: three copies of every topic (the internal ones
+  # too: group offsets, transactions, share groups), two of which must hold a
+  # write before acks=all acknowledges it, and a replica that missed writes
+  # never becomes leader (no unclean election: nothing acknowledged is lost).
+  #
+  # Failure detection: a broker that sends the active controller no heartbeat
+  # for broker.session.timeout.ms is fenced and its partitions get new leaders
+  # from their in-sync replicas. Production's 9 s would keep producers waiting
+  # on a dead leader that long; 4 s with a heartbeat a second still leaves a
+  # busy 2-core machine room for GC pauses. A controller quorum without its
+  # leader elects another after controller.quorum.fetch.timeout.ms plus up to
+  # controller.quorum.election.timeout.ms (Kafka's defaults, written out so
+  # that tests can read the bounds here).
+  #
+  # The group settings are the test suite's, as the single node has them.
+  cat >"$home/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=$i
+controller.quorum.bootstrap.servers=$(IFS=,; echo "${controllers[*]}")
+listeners=PLAINTEXT://127.0.0.1:$client_port,CONTROLLER://127.0.0.1:$controller_port
+advertised.listeners=PLAINTEXT://127.0.0.1:$client_port,CONTROLLER://127.0.0.1:$controller_port
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=$home/data
+num.partitions=1
+auto.create.topics.enable=false
+default.replication.factor=3
+min.insync.replicas=2
+unclean.leader.election.enable=false
+offsets.topic.replication.factor=3
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=3
+transaction.state.log.min.isr=2
+share.coordinator.state.topic.replication.factor=3
+share.coordinator.state.topic.min.isr=2
+broker.heartbeat.interval.ms=1000
+broker.session.timeout.ms=4000
+controller.quorum.fetch.timeout.ms=2000
+controller.quorum.election.timeout.ms=1000
+group.initial.rebalance.delay.ms=0
+group.min.session.timeout.ms=1000
+PROPS
+}
+
+start_cluster() {
+  fetch_jars
+  mkdir -p "$dir"
+  if [ -f "$dir/cluster" ]; then
+    # Formatted before: the quorum's addresses are in each node's metadata log,
+    # so the ports stay those of the first start.
+    # shellcheck disable=SC1091
+    . "$dir/cluster"
+  else
+    if [ "$brokers" -lt 3 ]; then
+      # Two voters cannot elect a controller when one is gone, and two
+      # replicas with min.insync.replicas=2 take no writes: no better than one.
+      echo "a cluster needs --brokers 3 or more (1: a single node)" >&2
+      exit 2
+    fi
+    # The same cluster id and initial voters (id@host:port:directory-id) for
+    # every node: KIP-853's dynamic quorum, formatted as Kafka 4's docs show.
+    cluster_id="$(uuid)"
+    voters=()
+    for i in $(seq "$brokers"); do
+      write_node_config "$i"
+      voters+=("$i@127.0.0.1:$((port + 2 * (i - 1) + 1)):$(uuid)")
+    done
+    formats=()
+    for i in $(seq "$brokers"); do  # each format is a JVM: all at once
+      home="$dir/node$i"
+      # shellcheck disable=SC2046
+      java $(java_opts_of "$home") -cp "$classpath" kafka.tools.StorageTool format -t "$cluster_id" \
+        -c "$home/server.properties" --initial-controllers "$(IFS=,; echo "${voters[*]}")" \
+        >"$home/format.log" 2>&1 &
+      formats+=($!)
+    done
+    for i in $(seq "$brokers"); do
+      if ! wait "${formats[$((i - 1))]}"; then
+        echo "formatting node $i failed; see $dir/node$i/format.log" >&2
+        tail -n 20 "$dir/node$i/format.log" >&2
+        exit 1
+      fi
+    done
+    printf 'brokers=%s\nport=%s\n' "$brokers" "$port" >"$dir/cluster"
+  fi
+  for i in $(seq "$brokers"); do
+    if node_running "$i"; then
+      echo "node $i already runs from $dir/node$i" >&2
+      exit 1
+    fi
+  done
+  for i in $(seq "$brokers"); do launch_node "$i"; done
+  for i in $(seq "$brokers"); do
+    if ! await_node "$i"; then
+      stop
+      exit 1
+    fi
+  done
+  bootstrap=()
+  for i in $(seq "$brokers"); do bootstrap+=("127.0.0.1:$((port + 2 * (i - 1)))"); done
+  (IFS=,; echo "${bootstrap[*]}")
+}
+
+# The failure a test wants: a node gone at once, without a clean shutdown
+# (no leadership handed over, no controlled shutdown message).
+kill_node() {
+  [ -n "$node" ] || { echo "kill: --node N" >&2; exit 2; }
+  local pidfile="$dir/node$node/broker.pid"
+  [ -f "$pidfile" ] || { echo "node $node does not run from $dir" >&2; exit 1; }
+  pid="$(cat "$pidfile")"
+  kill -9 "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+  rm -f "$pidfile"
+}
+
+start_node() {
+  [ -n "$node" ] || { echo "start-node: --node N" >&2; exit 2; }
+  [ -f "$dir/node$node/data/meta.properties" ] || { echo "no node $node in $dir" >&2; exit 1; }
+  if node_running "$node"; then
+    echo "node $node already runs" >&2
+    exit 1
+  fi
+  launch_node "$node"
+  await_node "$node" || exit 1
+}
+
 case "$command" in
-  start) start ;;
+  start) if [ "$brokers" = 1 ] && [ ! -f "$dir/cluster" ]; then start; else start_cluster; fi ;;
   stop) stop ;;
-  *) echo "usage: $0 start|stop [--port N] [--dir DIR]" >&2; exit 2 ;;
+  kill) kill_node ;;
+  start-node) start_node ;;
+  *) echo "usage: $0 start|stop|kill|start-node [--port N] [--dir DIR] [--brokers N] [--node N]" >&2; exit 2 ;;
 esac
