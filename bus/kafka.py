@@ -47,7 +47,9 @@ class KafkaSettings:
     session_timeout_ms: int = 6_000
     heartbeat_interval_ms: int = 1_000
     max_poll_interval_ms: int = 60_000
-    # Past this a message is given up (and not sent later): a gateway answers 503 at once.
+    # Past this the publisher stops waiting: a gateway answers 503 at once. The producer is idempotent,
+    # so it never expires a message: it still delivers it once the partition has a leader again (the
+    # receivers drop what nobody waits for), and drops it only when the bus closes.
     publish_timeout_s: float = 1.5
     # The largest message carried: the producer, every topic this process creates (max.message.bytes) and the
     # consumers' fetches are set to it. Kafka's default is 1 MB; a request may carry a 4 MB text_input.
@@ -264,6 +266,7 @@ class KafkaBus(Bus):
         self._offsets: AIOKafkaConsumer | None = None
         self._offsets_starting = asyncio.Lock()  # the workers of one process share the bus
         self.max_message_bytes = settings.max_message_bytes
+        self._warned_unreplicated = False
 
     async def start(self) -> None:
         self._admin = AIOKafkaAdminClient(
@@ -274,6 +277,9 @@ class KafkaBus(Bus):
             bootstrap_servers=self._settings.bootstrap_servers,
             client_id=self._client_id,
             acks="all",  # a request acknowledged to the gateway survives a broker crash
+            # A send retried after a leader change (its acknowledgement lost with the old leader) is
+            # written once, not twice: the broker drops a batch whose producer id and sequence it has.
+            enable_idempotence=True,
             linger_ms=0,
             request_timeout_ms=int(self._settings.publish_timeout_s * 1000),
             max_request_size=self._settings.max_message_bytes + _RECORD_OVERHEAD,
@@ -284,25 +290,52 @@ class KafkaBus(Bus):
         if self._offsets is not None:
             await self._offsets.stop()
         if self._producer is not None:
-            await self._producer.stop()
+            await self._stop_producer(self._producer)
         if self._admin is not None:
             await self._admin.close()
+
+    async def _stop_producer(self, producer: AIOKafkaProducer) -> None:
+        """Stop the producer, dropping what the brokers do not take within publish_timeout_s.
+
+        An idempotent producer retries a message until a broker takes it, and `stop()` waits for every
+        message: with the brokers away it would wait for ever.
+        """
+        try:
+            await asyncio.wait_for(producer.flush(), self._settings.publish_timeout_s)
+        except TimeoutError:
+            log.warning("kafka_unsent_messages_dropped")
+            sender = producer._sender.sender_task  # stop() returns once the sender ends (or all is flushed)
+            if sender is not None:
+                sender.cancel()
+        await producer.stop()
+
+    def _topic_configs(self) -> dict[str, str]:
+        configs = {"max.message.bytes": str(self._settings.max_message_bytes + _RECORD_OVERHEAD)}
+        if self._settings.replication_factor >= 3:
+            # An acks=all write waits for two copies whatever the broker's default, and a topic keeps
+            # taking writes with one replica down (two of three in sync).
+            configs["min.insync.replicas"] = "2"
+        return configs
 
     async def create_topics(self, partitions: Mapping[str, int]) -> None:
         assert self._admin is not None
         existing = set(await self._admin.list_topics())
         missing = [
-            NewTopic(
-                name,
-                count,
-                self._settings.replication_factor,
-                topic_configs={"max.message.bytes": str(self._settings.max_message_bytes + _RECORD_OVERHEAD)},
-            )
+            NewTopic(name, count, self._settings.replication_factor, topic_configs=self._topic_configs())
             for name, count in partitions.items()
             if name not in existing
         ]
         if not missing:
             return
+        if self._settings.replication_factor == 1 and not self._warned_unreplicated:
+            self._warned_unreplicated = True  # once per process: every worker and gateway creates topics
+            log.warning(
+                "kafka_unreplicated_topics",
+                replication_factor=1,
+                topics=[t.name for t in missing],
+                consequence="a broker lost loses the requests and tokens its partitions hold; "
+                "production runs --kafka-replication-factor 3 on three brokers or more",
+            )
         response = await self._admin.create_topics(missing)
         for topic, code, *rest in response.topic_errors:
             if code not in (0, _TOPIC_ALREADY_EXISTS):  # a racing process may create it first
