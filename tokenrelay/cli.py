@@ -302,6 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
     _option(up, "--host", default="127.0.0.1", help="address the gateways listen on")
     _option(up, "--port", type=int, default=1025, help="the first gateway's port; the others follow it")
     _option(up, "--kafka-bootstrap", default="", help="Kafka bootstrap servers; empty: start a local broker")
+    _option(
+        up,
+        "--kafka-brokers",
+        type=int,
+        default=1,
+        help="brokers of the local Kafka: 1, or 3 or more for a replicated cluster that loses nothing when a "
+        "broker dies (topics replicated min(N, 3) times, min.insync.replicas 2; with --kafka-bootstrap: "
+        "that cluster's brokers)",
+    )
     _option(up, "--worker-args", default="", help="more flags for every worker, as one string")
     _option(up, "--gateway-args", default="", help="more flags for every gateway, as one string")
     _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")

@@ -29,20 +29,23 @@ REPO = Path(__file__).resolve().parent.parent
 BROKER = REPO / "deploy" / "kafka" / "broker.sh"
 
 
-def free_port(pair: bool = False) -> int:
-    """A loopback port nobody listens on (and the one after it too, with `pair`)."""
+def free_port(pair: bool = False, span: int = 1) -> int:
+    """A loopback port nobody listens on (and the one after it too, with `pair`; the `span` - 1 after it,
+    with `span`: a local Kafka cluster's nodes take two each)."""
+    span = max(span, 2 if pair else 1)
     while True:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        if not pair:
-            return port
-        with socket.socket() as second:
+        if port + span > 65536:
+            continue
+        with ExitStack() as held:
             try:
-                second.bind(("127.0.0.1", port + 1))
-                return port
+                for following in range(port + 1, port + span):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", following))
             except OSError:
                 continue
+        return port
 
 
 def wait_ready(base: str, model: str | None, processes: list[subprocess.Popen], timeout_s: float = 300) -> None:
@@ -89,13 +92,22 @@ def tokenrelay_processes(commands: list[list[str]], logs: Path) -> Iterator[list
                 process.kill()
 
 
+def replication_factor(brokers: int) -> int:
+    """The replication of topics on a cluster of `brokers`: three copies where there are three brokers."""
+    return min(brokers, 3)
+
+
 @contextmanager
-def local_broker(directory: Path) -> Iterator[str]:
-    """A Kafka broker from deploy/kafka/ on a free loopback port, its data in `directory`; yields its address."""
-    port = free_port(pair=True)  # the broker's, and its controller's after it
-    started = subprocess.run(
-        [str(BROKER), "start", "--port", str(port), "--dir", str(directory)], capture_output=True, text=True
-    )
+def local_broker(directory: Path, brokers: int = 1) -> Iterator[str]:
+    """A Kafka broker from deploy/kafka/ on free loopback ports, its data in `directory`; yields its address.
+
+    With `brokers` 3 or more, a replicated cluster (deploy/kafka/broker.sh --brokers); yields its bootstrap list.
+    """
+    port = free_port(span=2 * brokers)  # each node's client port, and its controller's after it
+    command = [str(BROKER), "start", "--port", str(port), "--dir", str(directory)]
+    if brokers > 1:
+        command += ["--brokers", str(brokers)]
+    started = subprocess.run(command, capture_output=True, text=True)
     if started.returncode != 0:
         raise RuntimeError(f"the local Kafka broker did not start: {started.stderr[-2000:]}")
     try:
@@ -112,8 +124,16 @@ def up(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tokenrelay-up-") as scratch, ExitStack() as stack:
         logs = Path(args.log_dir or scratch)
         logs.mkdir(parents=True, exist_ok=True)
-        bootstrap = args.kafka_bootstrap or stack.enter_context(local_broker(Path(scratch) / "kafka"))
+        if args.kafka_brokers == 2 or args.kafka_brokers < 1:
+            # Two controllers cannot elect a leader when one is gone: no better than one broker.
+            log.error("topology_bad_brokers", brokers=args.kafka_brokers, allowed="1, or 3 or more")
+            return 2
+        bootstrap = args.kafka_bootstrap or stack.enter_context(
+            local_broker(Path(scratch) / "kafka", args.kafka_brokers)
+        )
         kafka = ["--kafka-bootstrap", bootstrap, "--topic-prefix", args.topic_prefix]
+        if args.kafka_brokers > 1:
+            kafka += ["--kafka-replication-factor", str(replication_factor(args.kafka_brokers))]
         urls = [f"http://{args.host}:{args.port + i}" for i in range(args.gateways)]
         names = [f"worker-{i}" for i in range(args.workers)] + [f"gateway-{i}" for i in range(args.gateways)]
         worker_args, gateway_args = shlex.split(args.worker_args), shlex.split(args.gateway_args)
@@ -125,7 +145,14 @@ def up(args: argparse.Namespace) -> int:
         processes = stack.enter_context(tokenrelay_processes(commands, logs))
         for url in urls:
             wait_ready(url.replace("0.0.0.0", "127.0.0.1"), None, processes)
-        log.info("topology_up", gateways=urls, workers=args.workers, kafka=bootstrap, logs=str(logs))
+        log.info(
+            "topology_up",
+            gateways=urls,
+            workers=args.workers,
+            kafka=bootstrap,
+            kafka_brokers=args.kafka_brokers,
+            logs=str(logs),
+        )
         while not stopping.wait(0.5):
             died = [name for name, process in zip(names, processes, strict=True) if process.poll() is not None]
             if died:
