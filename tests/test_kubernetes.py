@@ -1,0 +1,352 @@
+"""The Helm chart (deploy/helm/tokenrelay), rendered offline by Helm's own engine and checked by reading.
+
+`make helm-render` builds deploy/helm/render (Helm's chart loader, values and template engine) into
+.tools/bin/helm-render; `make test` does it first, and the fixture here runs make too (a no-op when it
+is built). Every rendered object is validated: Kubernetes' own kinds against the API schemas that
+kubernetes-validate ships (strict: an unknown field is an error), the operators' kinds (KEDA, Prometheus
+operator, Strimzi) against their CRDs' schemas vendored in deploy/helm/crd-schemas/. The rest checks
+that the chart and the code agree: env names are flags, KEDA watches the topics and consumer group
+the workers really use, probes hit the ports the processes listen on.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from bus.topics import request_topics, worker_group
+from tests.processes import REPO
+from tests.test_deploy_files import _flags_of
+from tokenrelay.cli import build_parser
+
+CHART = REPO / "deploy" / "helm" / "tokenrelay"
+TWO_MODELS = REPO / "deploy" / "helm" / "two-models.yaml"
+CRD_SCHEMAS = REPO / "deploy" / "helm" / "crd-schemas"
+RENDER = REPO / ".tools" / "bin" / "helm-render"
+KUBERNETES_VERSION = "1.33"  # the oldest release the chart is checked against (kubernetes-validate has 1.x up to 1.37)
+NAMESPACE = "inference"
+
+# Variants beyond the two values files: Strimzi's older API, everything optional off, a hub-id model.
+STRIMZI_V1BETA2 = {"kafka": {"strimzi": {"apiVersion": "kafka.strimzi.io/v1beta2", "version": "4.1.1"}}}
+MINIMAL = {
+    "kafka": {"bootstrap": "kafka.example:9092", "strimzi": {"enabled": False}},
+    "topicPrefix": "prod",
+    "gateway": {"autoscaling": {"enabled": False}, "pdb": {"enabled": False}, "preStopSleepSeconds": 0},
+    "worker": {"pdb": {"enabled": False}, "resources": {}, "tolerations": []},
+    "keda": {"enabled": False},
+    "models": [
+        {"name": "qwen", "hubId": "Qwen/Qwen2.5-0.5B-Instruct", "replicas": 3},
+        {"name": "bundled"},
+    ],
+}
+
+
+@pytest.fixture(scope="session")
+def render(tmp_path_factory):
+    """render(values files or dicts...) -> the rendered objects, as `helm template` would print them."""
+    subprocess.run(["make", "--no-print-directory", "-s", "helm-render"], cwd=REPO, check=True, timeout=900)
+    folder = tmp_path_factory.mktemp("values")
+
+    def _render(*values: Path | dict) -> list[dict]:
+        args = []
+        for i, value in enumerate(values):
+            if isinstance(value, dict):
+                path = folder / f"values-{len(list(folder.iterdir()))}-{i}.yaml"
+                path.write_text(yaml.safe_dump(value))
+                value = path
+            args += ["-f", str(value)]
+        out = subprocess.run(
+            [str(RENDER), "--namespace", NAMESPACE, *args, str(CHART)], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+    return _render
+
+
+VARIANTS = {
+    "defaults": (),
+    "two-models": (TWO_MODELS,),
+    "strimzi-v1beta2": (STRIMZI_V1BETA2,),
+    "minimal": (MINIMAL,),
+}
+
+
+@pytest.fixture(scope="session", params=list(VARIANTS))
+def rendered(request, render) -> list[dict]:
+    return render(*VARIANTS[request.param])
+
+
+def _strict(schema):
+    """A CRD schema as the API server applies it with field validation on (kubectl's default): a field
+    that the schema does not name is an error, unless the schema keeps unknown fields."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {k: (v if k == "enum" else _strict(v)) for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        if not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    return schema
+
+
+@functools.cache
+def _crd_validator(api_version: str, kind: str) -> jsonschema.Validator | None:
+    group, _, version = api_version.rpartition("/")
+    path = CRD_SCHEMAS / f"{group}_{kind.lower()}_{version}.json"
+    if not group or not path.is_file():
+        return None
+    schema = _strict(json.loads(path.read_text()))
+    # metadata is Kubernetes' ObjectMeta, which CRD schemas leave open; the API server checks it.
+    schema["properties"]["metadata"] = {"type": "object"}
+    return jsonschema.Draft7Validator(schema)
+
+
+def _validate(doc: dict) -> None:
+    validator = _crd_validator(doc["apiVersion"], doc["kind"])
+    if validator is not None:
+        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+        assert not errors, "\n".join(f"{doc['kind']} {list(e.absolute_path)}: {e.message}" for e in errors)
+        return
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        raise AssertionError(f"{doc['kind']} {doc['metadata']['name']} {list(e.absolute_path)}: {e.message}") from e
+    except kubernetes_validate.SchemaNotFoundError as e:
+        raise AssertionError(f"no schema, built-in or vendored, for {doc['apiVersion']} {doc['kind']}") from e
+
+
+def _by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
+
+
+def _container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _env(container: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def _parse(command: str, env: dict[str, str | None], monkeypatch):
+    """The container's command line as the process reads it: flags from its environment."""
+    with monkeypatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, "pod-0" if value is None else value)  # valueFrom: the pod's name
+        return build_parser().parse_args([command])
+
+
+def test_every_rendered_object_matches_its_schema(rendered):
+    assert rendered
+    for doc in rendered:
+        _validate(doc)
+
+
+def test_the_validation_catches_a_broken_object(render):
+    docs = render()
+    scaled = copy.deepcopy(next(d for d in docs if d["kind"] == "ScaledObject"))
+    scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"] = 10  # KEDA's metadata holds strings
+    with pytest.raises(AssertionError, match="lagThreshold"):
+        _validate(scaled)
+    scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"] = "10"
+    scaled["spec"]["minReplicas"] = 1  # KEDA calls it minReplicaCount
+    with pytest.raises(AssertionError, match="minReplicas"):
+        _validate(scaled)
+    deployment = copy.deepcopy(next(d for d in docs if d["kind"] == "Deployment"))
+    _container(deployment)["readinessProbe"]["httpGet"]["paht"] = "/"
+    with pytest.raises(AssertionError, match="paht"):
+        _validate(deployment)
+
+
+def test_defaults_and_two_models_render_what_is_described(render):
+    kinds = sorted(d["kind"] for d in render())
+    assert kinds == sorted(
+        ["Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service"]
+        + ["Deployment", "PodDisruptionBudget", "ScaledObject"]
+        + ["Kafka", "KafkaNodePool"]
+    )
+    docs = render(TWO_MODELS)
+    models = yaml.safe_load(TWO_MODELS.read_text())["models"]
+    assert len(_by_kind(docs, "ScaledObject")) == len(models) == 2
+    assert len(_by_kind(docs, "PodDisruptionBudget")) == 1 + len(models)
+    assert len(_by_kind(docs, "ServiceMonitor")) == 2
+    assert not _by_kind(docs, "Kafka")
+    assert len(_by_kind(docs, "Deployment")) == 1 + len(models)
+
+
+def test_every_setting_is_a_flag_of_the_command_the_container_runs(rendered, monkeypatch):
+    for deployment in _by_kind(rendered, "Deployment").values():
+        container = _container(deployment)
+        command = container["command"]
+        assert command[0] == "tokenrelay"
+        flags = _flags_of(command[1])
+        env = _env(container)
+        for name in env:
+            if name.startswith("TOKENRELAY_"):
+                flag = "--" + name.removeprefix("TOKENRELAY_").lower().replace("_", "-")
+                assert flag in flags, f"{deployment['metadata']['name']}: {name} names no flag of `{' '.join(command)}`"
+        _parse(command[1], env, monkeypatch)  # every value is one the flag takes
+
+
+def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered, monkeypatch):
+    deployments = _by_kind(rendered, "Deployment")
+    kafka = _by_kind(rendered, "Kafka")
+    scaled_objects = _by_kind(rendered, "ScaledObject")
+    workers = [d for d in deployments.values() if _container(d)["command"] == ["tokenrelay", "worker"]]
+    assert workers
+    for scaled in scaled_objects.values():
+        target = deployments[scaled["spec"]["scaleTargetRef"]["name"]]
+        args = _parse("worker", _env(_container(target)), monkeypatch)
+        model = args.served_model_name[0]
+        triggers = [t for t in scaled["spec"]["triggers"] if t["type"] == "kafka"]
+        assert [t["metadata"]["topic"] for t in triggers] == request_topics(args.topic_prefix, model)
+        for trigger in triggers:
+            assert trigger["metadata"]["consumerGroup"] == worker_group(args.topic_prefix, model)
+            bootstrap = trigger["metadata"]["bootstrapServers"]
+            if kafka:  # KEDA's operator runs in its own namespace: the name must reach across
+                (name,) = kafka
+                assert args.kafka_bootstrap == f"{name}-kafka-bootstrap:9092"
+                assert bootstrap == f"{name}-kafka-bootstrap.{NAMESPACE}.svc:9092"
+            else:
+                assert bootstrap == args.kafka_bootstrap
+        assert "replicas" not in target["spec"]  # KEDA owns the count
+    if scaled_objects:
+        assert {d["metadata"]["name"] for d in workers} == set(scaled_objects)
+
+
+def test_each_model_runs_what_its_entry_names(render, monkeypatch):
+    docs = render(TWO_MODELS)
+    llama, qwen = (_by_kind(docs, "Deployment")[f"tokenrelay-worker-{name}"] for name in ("llama-8b", "qwen-05b"))
+    args = _parse("worker", _env(_container(llama)), monkeypatch)
+    assert args.served_model_name == ["llama-3.1-8b", "llama3"]
+    assert args.model == "/models/meta-llama-3.1-8b-instruct"
+    assert args.max_batch_size == 256 and args.dtype == "bf16" and args.gpu_memory_fraction == 0.9
+    mount = next(m for m in _container(llama)["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+    volume = next(v for v in llama["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"]["claimName"] == "model-weights"
+    args = _parse("worker", _env(_container(qwen)), monkeypatch)
+    assert args.model == args.served_model_name[0] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert worker_group(args.topic_prefix, args.served_model_name[0]) == "tokenrelay.workers.Qwen_Qwen2.5-0.5B-Instruct"
+    assert _env(_container(qwen))["HF_HOME"] == "/models/huggingface"  # the hostPath caches downloads
+    assert "HF_TOKEN" in _env(_container(qwen))
+    assert _container(qwen)["resources"]["requests"] == {"nvidia.com/gpu": 1, "cpu": "2", "memory": "8Gi"}
+    for deployment in (llama, qwen):
+        assert _container(deployment)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    gateway = _parse("gateway", _env(_container(_by_kind(docs, "Deployment")["tokenrelay-gateway"])), monkeypatch)
+    assert gateway.max_in_flight == 8192 and gateway.default_model == "llama-3.1-8b"
+
+
+def test_without_autoscaling_the_replicas_are_the_values(render):
+    docs = render(MINIMAL)
+    deployments = _by_kind(docs, "Deployment")
+    assert deployments["tokenrelay-gateway"]["spec"]["replicas"] == 2
+    assert deployments["tokenrelay-worker-qwen"]["spec"]["replicas"] == 3
+    assert deployments["tokenrelay-worker-bundled"]["spec"]["replicas"] == 1
+    assert not {"HorizontalPodAutoscaler", "ScaledObject", "PodDisruptionBudget"} & {d["kind"] for d in docs}
+    # no --model: the image's bundled model, under its own name
+    assert "TOKENRELAY_MODEL" not in _env(_container(deployments["tokenrelay-worker-bundled"]))
+
+
+def test_probes_reach_the_ports_the_processes_listen_on(rendered, monkeypatch):
+    for deployment in _by_kind(rendered, "Deployment").values():
+        container = _container(deployment)
+        args = _parse(container["command"][1], _env(container), monkeypatch)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        if args.command == "gateway":
+            assert args.host == "0.0.0.0" and ports["http"] == args.port
+            assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+            assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+        else:
+            host, _, port = args.metrics_address.rpartition(":")
+            assert host == "0.0.0.0" and ports["metrics"] == int(port)
+            for probe in ("startupProbe", "readinessProbe"):
+                assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+
+
+def test_services_and_monitors_select_the_pods_they_mean(render):
+    docs = render(TWO_MODELS)
+    pods = [d["spec"]["template"] for d in _by_kind(docs, "Deployment").values()]
+
+    def selected(selector: dict) -> list[dict]:
+        return [p for p in pods if selector.items() <= p["metadata"]["labels"].items()]
+
+    services = _by_kind(docs, "Service")
+    for name, service in services.items():
+        chosen = selected(service["spec"]["selector"])
+        assert chosen, name
+        for pod in chosen:
+            (container,) = pod["spec"]["containers"]
+            names = {p["name"] for p in container["ports"]}
+            assert {p["targetPort"] for p in service["spec"]["ports"]} <= names, name
+    assert len(selected(services["tokenrelay-worker-metrics"]["spec"]["selector"])) == 2
+    for monitor in _by_kind(docs, "ServiceMonitor").values():
+        matched = [
+            s
+            for s in services.values()
+            if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+        ]
+        assert len(matched) == 1
+        assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in matched[0]["spec"]["ports"]}
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    for pdb in _by_kind(docs, "PodDisruptionBudget").values():
+        assert len(selected(pdb["spec"]["selector"]["matchLabels"])) == 1
+
+
+def test_strimzi_runs_kraft_with_a_node_pool_of_three(render):
+    for values in ((), (STRIMZI_V1BETA2,)):
+        docs = render(*values)
+        (kafka,) = _by_kind(docs, "Kafka").values()
+        (pool,) = _by_kind(docs, "KafkaNodePool").values()
+        assert pool["metadata"]["labels"]["strimzi.io/cluster"] == kafka["metadata"]["name"]
+        assert pool["spec"]["replicas"] == 3 and set(pool["spec"]["roles"]) == {"controller", "broker"}
+        if kafka["apiVersion"].endswith("v1beta2"):  # node pools and KRaft are opt-in there
+            assert kafka["metadata"]["annotations"] == {
+                "strimzi.io/node-pools": "enabled",
+                "strimzi.io/kraft": "enabled",
+            }
+        (gateway,) = (d for d in _by_kind(docs, "Deployment").values() if "gateway" in d["metadata"]["name"])
+        assert _env(_container(gateway))["TOKENRELAY_KAFKA_REPLICATION_FACTOR"] == "3"
+        config = kafka["spec"]["kafka"]["config"]
+        assert config["message.max.bytes"] >= build_parser().parse_args(["serve"]).max_message_bytes
+
+
+def test_the_chart_refuses_what_cannot_work(render):
+    with pytest.raises(AssertionError, match="kafka.bootstrap"):
+        render({"kafka": {"strimzi": {"enabled": False}}})
+    with pytest.raises(AssertionError, match="DNS label"):
+        render({"models": [{"name": "Llama_8B"}]})
+    with pytest.raises(AssertionError, match="listed twice"):
+        render({"models": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(AssertionError, match="both hubId and path"):
+        render({"models": [{"name": "a", "hubId": "x/y", "path": "/m"}]})
+    with pytest.raises(AssertionError, match="no time to drain"):
+        render({"gateway": {"terminationGracePeriodSeconds": 15}})
+
+
+def test_grace_periods_leave_time_to_drain(rendered, monkeypatch):
+    """The pod is killed terminationGracePeriodSeconds after the preStop hook starts: the preStop sleep,
+    --drain-timeout and the last seconds of closing must fit in it."""
+    for deployment in _by_kind(rendered, "Deployment").values():
+        spec, container = deployment["spec"]["template"]["spec"], _container(deployment)
+        args = _parse(container["command"][1], _env(container), monkeypatch)
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
+        assert pre_stop[0] == "sleep"
+        assert args.drain_timeout >= 10
+        assert int(pre_stop[1]) + args.drain_timeout + 10 <= spec["terminationGracePeriodSeconds"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    gateway = next(d for d in _by_kind(rendered, "Deployment").values() if _container(d)["command"][1] == "gateway")
+    assert (
+        gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        == (values["gateway"]["terminationGracePeriodSeconds"])
+    )
