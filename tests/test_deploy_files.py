@@ -1,10 +1,17 @@
-"""docker-compose.yml and its Dockerfile, checked by reading them (no Docker engine runs here)."""
+"""docker-compose.yml and its Dockerfile, checked by reading them (no Docker engine runs here).
+
+docker-compose.yml is validated against the Compose specification's JSON schema, vendored as
+deploy/compose-spec.json: schema/compose-spec.json of the Go module github.com/compose-spec/compose-go/v2
+at v2.17.0 (the schema `docker compose` itself checks files with).
+"""
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 
+import jsonschema
 import yaml
 
 from tests.processes import REPO
@@ -57,3 +64,35 @@ def test_the_image_holds_every_package():
     for name in ("gateway", "worker"):
         build = _compose()["services"][name]["build"]
         assert (REPO / build["context"] / build["dockerfile"]).is_file()
+
+
+def _seconds(duration: str) -> float:
+    """A Compose duration (`1m30s`, `60s`) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_compose_follows_the_compose_specification():
+    schema = json.loads((REPO / "deploy" / "compose-spec.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(_compose())]
+    assert not errors, errors
+    broken = _compose()
+    broken["services"]["worker"]["stop_grace_perod"] = "60s"  # the schema refuses unknown keys
+    assert not validator.is_valid(broken)
+
+
+def test_compose_keeps_in_step_with_the_helm_chart():
+    """Same grace periods and drain timeouts as the chart's defaults, the same worker metrics port."""
+    services = _compose()["services"]
+    values = yaml.safe_load((REPO / "deploy" / "helm" / "tokenrelay" / "values.yaml").read_text())
+    for name in ("gateway", "worker"):
+        grace = _seconds(services[name]["stop_grace_period"])
+        assert grace == values[name]["terminationGracePeriodSeconds"]
+        assert float(services[name]["environment"]["TOKENRELAY_DRAIN_TIMEOUT"]) + 10 <= grace
+    port = services["worker"]["environment"]["TOKENRELAY_METRICS_ADDRESS"].rpartition(":")[2]
+    assert int(port) == values["worker"]["metricsPort"]
+    assert services["worker"]["expose"] == [port]
+    assert services["gateway"]["environment"]["TOKENRELAY_PORT"] == str(values["gateway"]["port"])
