@@ -153,12 +153,18 @@ uuid() {
   done
 }
 
-# Exits 0 once the broker at $1 lists node $2 among its live (unfenced)
-# brokers: that node has caught up with the metadata and can lead partitions.
-lists_node() {
-  java -Xmx128m -XX:TieredStopAtLevel=1 -cp "$classpath" -Dlog4j2.configurationFile="$here/log4j2.properties" \
-    org.apache.kafka.tools.BrokerApiVersionsCommand --bootstrap-server "$1" 2>/dev/null \
-    | grep -q "(id: $2 "
+# Exits 0 once a broker of the bootstrap list $1 lists every node of $2 (ids,
+# space-separated) among its live (unfenced) brokers, and each of them answers:
+# they have caught up with the metadata and can lead partitions. One JVM asks
+# for all of them, since each JVM start costs seconds.
+lists_nodes() {
+  local listed
+  listed="$(java -Xmx128m -XX:TieredStopAtLevel=1 -cp "$classpath" \
+    -Dlog4j2.configurationFile="$here/log4j2.properties" \
+    org.apache.kafka.tools.BrokerApiVersionsCommand --bootstrap-server "$1" 2>/dev/null)" || return 1
+  for id in $2; do
+    grep -q "(id: $id " <<<"$listed" || return 1
+  done
 }
 
 node_running() {
@@ -173,20 +179,26 @@ launch_node() {  # starts node $1's JVM in the background, from its formatted di
   echo $! >"$home/broker.pid"
 }
 
-# Waits until node $1 answers on its client port and sees itself unfenced.
-await_node() {
-  local home="$dir/node$1" client_port
-  client_port="$(sed -n 's/^listeners=PLAINTEXT:\/\/127.0.0.1:\([0-9]*\),.*/\1/p' "$home/server.properties")"
+client_port_of() {  # node $1's client port, from its server.properties
+  sed -n 's/^listeners=PLAINTEXT:\/\/127.0.0.1:\([0-9]*\),.*/\1/p' "$dir/node$1/server.properties"
+}
+
+# Waits until every node of $1 (ids, space-separated) runs, answers and is live.
+await_nodes() {
+  local bootstrap=()
+  for id in $1; do bootstrap+=("127.0.0.1:$(client_port_of "$id")"); done
   for _ in $(seq 120); do
-    if ! node_running "$1"; then
-      echo "node $1 exited; see $home/broker.log" >&2
-      tail -n 20 "$home/broker.log" >&2
-      return 1
-    fi
-    if lists_node "127.0.0.1:$client_port" "$1"; then return 0; fi
+    for id in $1; do
+      if ! node_running "$id"; then
+        echo "node $id exited; see $dir/node$id/broker.log" >&2
+        tail -n 20 "$dir/node$id/broker.log" >&2
+        return 1
+      fi
+    done
+    if lists_nodes "$(IFS=,; echo "${bootstrap[*]}")" "$1"; then return 0; fi
     sleep 0.5
   done
-  echo "node $1 did not answer within a minute; see $home/broker.log" >&2
+  echo "nodes $1 did not answer within a minute; see $dir/node*/broker.log" >&2
   return 1
 }
 
@@ -289,12 +301,10 @@ start_cluster() {
     fi
   done
   for i in $(seq "$brokers"); do launch_node "$i"; done
-  for i in $(seq "$brokers"); do
-    if ! await_node "$i"; then
-      stop
-      exit 1
-    fi
-  done
+  if ! await_nodes "$(seq -s ' ' "$brokers")"; then
+    stop
+    exit 1
+  fi
   bootstrap=()
   for i in $(seq "$brokers"); do bootstrap+=("127.0.0.1:$((port + 2 * (i - 1)))"); done
   (IFS=,; echo "${bootstrap[*]}")
@@ -320,7 +330,7 @@ start_node() {
     exit 1
   fi
   launch_node "$node"
-  await_node "$node" || exit 1
+  await_nodes "$node" || exit 1
 }
 
 case "$command" in
