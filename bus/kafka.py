@@ -21,7 +21,15 @@ from dataclasses import dataclass
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import CommitFailedError, ConsumerStoppedError, KafkaError, UnknownTopicOrPartitionError
+from aiokafka.errors import (
+    CommitFailedError,
+    ConsumerStoppedError,
+    KafkaError,
+    OutOfOrderSequenceNumber,
+    ProducerFenced,
+    UnknownProducerId,
+    UnknownTopicOrPartitionError,
+)
 from aiokafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 
@@ -60,6 +68,8 @@ class KafkaSettings:
 
 
 _RECORD_OVERHEAD = 64 * 1024  # a record's key, headers and batch framing around the message
+# Errors after which an idempotent producer can no longer write to a partition: replaced (see _replace_producer).
+_PRODUCER_BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId, ProducerFenced)
 
 
 def _decode(record) -> BusMessage | None:
@@ -267,13 +277,19 @@ class KafkaBus(Bus):
         self._offsets_starting = asyncio.Lock()  # the workers of one process share the bus
         self.max_message_bytes = settings.max_message_bytes
         self._warned_unreplicated = False
+        self._producer_lock = asyncio.Lock()
+        self._stopping: set[asyncio.Task] = set()  # producers replaced, being stopped
 
     async def start(self) -> None:
         self._admin = AIOKafkaAdminClient(
             bootstrap_servers=self._settings.bootstrap_servers, client_id=f"{self._client_id}-admin"
         )
         await self._admin.start()
-        self._producer = AIOKafkaProducer(
+        self._producer = self._new_producer()
+        await self._producer.start()
+
+    def _new_producer(self) -> AIOKafkaProducer:
+        return AIOKafkaProducer(
             bootstrap_servers=self._settings.bootstrap_servers,
             client_id=self._client_id,
             acks="all",  # a request acknowledged to the gateway survives a broker crash
@@ -284,13 +300,36 @@ class KafkaBus(Bus):
             request_timeout_ms=int(self._settings.publish_timeout_s * 1000),
             max_request_size=self._settings.max_message_bytes + _RECORD_OVERHEAD,
         )
-        await self._producer.start()
+
+    async def _replace_producer(self, broken: AIOKafkaProducer, error: BaseException) -> None:
+        """A new producer (a new producer id, sequences from 0) in place of one that can no longer write.
+
+        aiokafka's idempotent producer fails a batch that waited past its timeout while its partition had no
+        leader (as when a lone broker restarts) after numbering it; every later batch to that partition is
+        then out of sequence for the broker, for ever. Whoever published on the broken producer gets
+        BusUnavailable, as for any failed publish.
+        """
+        async with self._producer_lock:
+            if self._producer is not broken:
+                return  # replaced meanwhile
+            producer = self._new_producer()
+            try:
+                await producer.start()
+            except (KafkaError, OSError) as start_error:  # the next failure tries again
+                log.warning("kafka_producer_not_replaced", error=repr(error), start_error=repr(start_error))
+                return
+            self._producer = producer
+        log.warning("kafka_producer_replaced", error=repr(error))
+        stopping = asyncio.create_task(self._stop_producer(broken))
+        self._stopping.add(stopping)
+        stopping.add_done_callback(self._stopping.discard)
 
     async def close(self) -> None:
         if self._offsets is not None:
             await self._offsets.stop()
         if self._producer is not None:
             await self._stop_producer(self._producer)
+        await asyncio.gather(*self._stopping)
         if self._admin is not None:
             await self._admin.close()
 
@@ -363,14 +402,16 @@ class KafkaBus(Bus):
         await self._admin.delete_topics(list(topics))
 
     async def publish(self, topic: str, message: BusMessage) -> None:
-        assert self._producer is not None
+        producer = self._producer
+        assert producer is not None
         try:
-            await asyncio.wait_for(
-                self._producer.send_and_wait(topic, encode(message)), self._settings.publish_timeout_s
-            )
+            await asyncio.wait_for(producer.send_and_wait(topic, encode(message)), self._settings.publish_timeout_s)
         except UnknownTopicOrPartitionError:
             raise UnknownTopic(topic) from None
         except (KafkaError, TimeoutError) as error:
+            sender = producer._sender.sender_task
+            if isinstance(error, _PRODUCER_BROKEN) or (sender is not None and sender.done()):
+                await self._replace_producer(producer, error)
             raise BusUnavailable(f"cannot publish to {topic}: {error!r}") from error
 
     def _consumer(self, *topics: str, **overrides) -> AIOKafkaConsumer:
