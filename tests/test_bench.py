@@ -7,10 +7,14 @@ import subprocess
 
 from tests.processes import TOKENRELAY
 from tests.reference import bundled
+from tokenrelay.bench import plots
+from tokenrelay.bench.chaos import OUTCOMES
 from tokenrelay.bench.engine import run_static_batches, run_transformers_continuous, workload
 
+PNG = b"\x89PNG\r\n\x1a\n"
 
-def test_the_engine_bench_reports_the_engine_every_baseline_the_ratios_and_decode_steps():
+
+def test_the_engine_bench_reports_the_engine_every_baseline_the_ratios_and_decode_steps(tmp_path):
     run = subprocess.run(
         [
             TOKENRELAY,
@@ -32,6 +36,8 @@ def test_the_engine_bench_reports_the_engine_every_baseline_the_ratios_and_decod
             "1",
             "3",
             "--json",
+            "--plot",
+            str(tmp_path / "charts"),
         ],
         capture_output=True,
         text=True,
@@ -59,6 +65,16 @@ def test_the_engine_bench_reports_the_engine_every_baseline_the_ratios_and_decod
     for step in steps:  # no CUDA graphs on the CPU
         assert step["eager_ms"] > 0 and step["bound_ms"] > 0 and step["graphed_ms"] is None
         assert abs(step["eager_over_bound"] - step["eager_ms"] / step["bound_ms"]) < 0.01
+    # --plot DIR: the chart of every method, named after the bench.
+    assert (tmp_path / "charts" / "engine.png").read_bytes()[:8] == PNG
+
+
+def test_the_chaos_chart_draws_a_run_with_kills_and_every_outcome(tmp_path):
+    result = {"requests": 7, "workers_killed": 2, **dict.fromkeys(OUTCOMES, 0), "completed": 6, "lost": 1}
+    ended = [(0.4, "completed"), (1.2, "completed"), (2.5, "lost"), (2.6, "completed"), (3.9, "completed")]
+    ended += [(4.1, "completed"), (4.2, "completed")]
+    path = plots.chaos(result, ended, [1.0, 3.0], [0.8, 1.7], 4.0, plots.target(str(tmp_path / "c.png"), "chaos"))
+    assert path == tmp_path / "c.png" and path.read_bytes()[:8] == PNG
 
 
 def test_a_baseline_past_its_timeout_reports_what_it_made_by_then():

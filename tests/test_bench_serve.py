@@ -21,9 +21,11 @@ def server(tmp_path_factory):
 ARGS = ("--requests", "6", "--concurrency", "3", "--prompt-lens", "8", "24", "--output-lens", "4", "12")
 
 
-def test_every_streaming_endpoint_delivers_the_same_tokens_and_reports_latencies(server):
+def test_every_streaming_endpoint_delivers_the_same_tokens_and_reports_latencies(server, tmp_path):
+    plot = tmp_path / "serve.png"
+    command = [TOKENRELAY, "bench", "serve", "--url", server.base_url, "--endpoint", "generate_stream", *ARGS]
     run = subprocess.run(
-        [TOKENRELAY, "bench", "serve", "--url", server.base_url, "--endpoint", "generate_stream", *ARGS, "--json"],
+        [*command, "--json", "--plot", str(plot)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -44,6 +46,7 @@ def test_every_streaming_endpoint_delivers_the_same_tokens_and_reports_latencies
             figures = result[metric]
             assert 0 < figures["p50"] <= figures["p90"] <= figures["p99"], (metric, figures)
         assert result["ttft_ms"]["p99"] <= result["e2e_ms"]["p99"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # --plot: the server's tokens/s, TTFT and ITL
 
 
 def test_the_comparison_is_kafka_over_serve():

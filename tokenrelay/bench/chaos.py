@@ -34,11 +34,13 @@ import time
 import uuid
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from tqdm import tqdm
 
+from tokenrelay.bench import plots
 from tokenrelay.topology import free_port, local_broker, spawn, tokenrelay_processes, wait_ready
 
 PROMPTS = ["The following example", "def main():\n", "A context manager is", "The os module provides"]
@@ -68,6 +70,15 @@ class Stream:
     text: str
     counts: list[int]  # generated_tokens of each event
     times: list[float]  # when each event came (time.monotonic())
+
+
+@dataclass
+class Timeline:
+    """When things happened in a run, in seconds from the start of the load: for `--plot`."""
+
+    ended: list[tuple[float, str]] = field(default_factory=list)  # each stream's end, and its outcome
+    kills: list[float] = field(default_factory=list)
+    resume_delays: list[float] = field(default_factory=list)  # seconds from a kill to a broken stream's next token
 
 
 def kinds(count: int, seed: int) -> list[Kind]:
@@ -151,7 +162,10 @@ async def run_chaos(
     broken_gap_s: float = 1.0,
     model: str = "tokenrelay-tiny",
     seed: int = 0,
+    timeline: Timeline | None = None,
 ) -> dict:
+    """The counts of a run (see the module's docstring); `timeline`, if given, is filled in as the run goes."""
+    timeline = timeline if timeline is not None else Timeline()
     endpoints = [f"{url}/v2/models/{model}/generate_stream" for url in urls]
     request_kinds = kinds(16, seed)
     tally: Counter[str] = Counter()
@@ -163,6 +177,13 @@ async def run_chaos(
             *(stream(client, endpoints[i % len(endpoints)], k) for i, k in enumerate(request_kinds))
         )
         stop_at = time.monotonic() + duration_s
+        started = stop_at - duration_s
+        # Progress on stderr, a step a second (none when stderr is not a terminal).
+        progress = tqdm(total=round(duration_s), desc="bench chaos", unit="s", disable=None, leave=False)
+
+        def ended(outcome: str) -> None:
+            tally[outcome] += 1
+            timeline.ended.append((time.monotonic() - started, outcome))
 
         async def client_loop(first: int) -> None:
             n = first
@@ -172,19 +193,27 @@ async def run_chaos(
                     got = await asyncio.wait_for(
                         stream(client, endpoints[n % len(endpoints)], request_kinds[kind]), hang_after_s
                     )
-                    tally[judge(got, references[kind])] += 1
+                    ended(judge(got, references[kind]))
                     finished.append(got)
                 except TimeoutError:
-                    tally["hung"] += 1
+                    ended("hung")
                 except (RuntimeError, httpx.HTTPError) as error:
-                    tally["lost"] += 1
+                    ended("lost")
                     errors[str(error)[:120]] += 1
                 n += concurrency
+
+        async def ticker() -> None:
+            while (elapsed := time.monotonic() - started) < duration_s:
+                progress.update(round(elapsed) - progress.n)
+                progress.set_postfix(
+                    completed=tally["completed"], failed=sum(tally[o] for o in FAILURES), kills=len(kill_times)
+                )
+                await asyncio.sleep(1)
 
         async def killer() -> None:
             # At fixed times (every kill_every_s from the start, before the end): how long a restart
             # takes must not change how many kills a run has.
-            started, kills = stop_at - duration_s, 0
+            kills = 0
             while (at := started + (kills + 1) * kill_every_s) < stop_at:
                 await asyncio.sleep(at - time.monotonic())
                 kill_times.append(time.monotonic())
@@ -192,8 +221,15 @@ async def run_chaos(
                 kills += 1
             tally["kills"] = kills
 
-        await asyncio.gather(killer(), *(client_loop(i) for i in range(concurrency)))
+        ticking = asyncio.create_task(ticker())
+        try:
+            await asyncio.gather(killer(), *(client_loop(i) for i in range(concurrency)))
+        finally:
+            ticking.cancel()
+            progress.close()
     delays = sorted(resume_delays(finished, kill_times, broken_gap_s))
+    timeline.kills.extend(at - started for at in kill_times)
+    timeline.resume_delays.extend(delays)
     return {
         "resumed_after_kill_s": {
             "streams": len(delays),
@@ -221,7 +257,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
+    parser.add_argument(
+        "--plot",
+        default="",
+        help="write a PNG of streams ended over time, outcomes and resume delays: this .png file, "
+        "or chaos.png in this directory",
+    )
     args = parser.parse_args(argv)
+    timeline = Timeline()
     with tempfile.TemporaryDirectory(prefix="tokenrelay-chaos-") as scratch, ExitStack() as stack:
         logs = Path(scratch)
         bootstrap = args.kafka_bootstrap or stack.enter_context(local_broker(logs / "kafka"))
@@ -245,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
                 hang_after_s=args.hang_after,
                 broken_gap_s=args.broken_gap,
                 seed=args.seed,
+                timeline=timeline,
             )
         )
     print(
@@ -257,6 +301,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{resumed['streams']} streams broken by a kill resumed after p50 {resumed['p50']} s, max {resumed['max']} s",
         flush=True,
     )
+    if args.plot:
+        path = plots.target(args.plot, "chaos")
+        plots.chaos(result, timeline.ended, timeline.kills, timeline.resume_delays, args.duration, path)
+        print(f"plot written to {path}", flush=True)
     if args.json:
         print(json.dumps(result), flush=True)
     raise SystemExit(0 if all(result[o] == 0 for o in FAILURES) else 1)

@@ -33,9 +33,11 @@ import uuid
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LogitsProcessor, LogitsProcessorList
 
 from schemas.messages import GenerationRequest, SamplingParams
+from tokenrelay.bench import plots
 from tokenrelay.bench.decode_step import sync, time_decode_steps
 from workers.bundled import BUNDLED_MODEL
 from workers.engine.config import EngineConfig
@@ -359,6 +361,11 @@ def main(argv: list[str] | None = None) -> None:
         help="baselines to leave out",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument(
+        "--plot",
+        default="",
+        help="write a PNG of each method's tokens/s and TTFT: this .png file, or engine.png in this directory",
+    )
     args = parser.parse_args(argv)
 
     if args.random_llama_1b or args.random_llama_8b:
@@ -399,12 +406,17 @@ def main(argv: list[str] | None = None) -> None:
     baseline_model = fresh()  # the engine sets its own attention on its model
     engine_runs: list[Result] = []
     static_runs: list[Result] = []
+    runs = args.repeat * (1 + ("static_batches" not in args.skip)) + sum(
+        b not in args.skip for b in ("one_at_a_time", "continuous")
+    )
+    # Progress on stderr, one step per method's run (none when stderr is not a terminal).
+    progress = tqdm(total=runs, desc="bench engine", unit="run", disable=None, leave=False)
     for run in range(1, args.repeat + 1):  # interleaved, so that a noisy spell of a shared machine hits both alike
         engine_runs.append(run_engine(engine_model, engine_config, requests))
-        _print(f"engine (run {run})", engine_runs[-1], out)
+        _print(f"engine (run {run})", engine_runs[-1], out, progress)
         if "static_batches" not in args.skip:
             static_runs.append(run_static_batches(baseline_model, requests, batch_size, args.baseline_timeout))
-            _print(f"transformers_static_batches (run {run})", static_runs[-1], out)
+            _print(f"transformers_static_batches (run {run})", static_runs[-1], out, progress)
     engine = max(engine_runs, key=lambda r: r.tokens_per_s)
     baselines: dict[str, Result] = {}
     if static_runs:
@@ -412,13 +424,14 @@ def main(argv: list[str] | None = None) -> None:
     if "one_at_a_time" not in args.skip:
         subset = requests[: args.one_at_a_time]
         baselines["transformers_one_at_a_time"] = run_static_batches(baseline_model, subset, 1, args.baseline_timeout)
-        _print("transformers_one_at_a_time", baselines["transformers_one_at_a_time"], out)
+        _print("transformers_one_at_a_time", baselines["transformers_one_at_a_time"], out, progress)
     if "continuous" not in args.skip:
         subset = requests[: args.continuous_batching]
         kv_budget = engine_config.for_device(engine_model.device.type).kv_cache_bytes
         result = run_transformers_continuous(baseline_model, subset, args.baseline_timeout, kv_budget)
         baselines["transformers_continuous_batching"] = result
-        _print("transformers_continuous_batching", result, out)
+        _print("transformers_continuous_batching", result, out, progress)
+    progress.close()
     del baseline_model
     _release(engine_model.device)
     _print("engine (best)", engine, out)
@@ -437,22 +450,28 @@ def main(argv: list[str] | None = None) -> None:
         contexts = [len(r.prompt) + r.output_len // 2 for r in requests]
         by_batch = {b: [contexts[i % len(contexts)] for i in range(b)] for b in args.step_batches}
         steps = time_decode_steps(engine_model, engine_config, by_batch, out=out)
+    report.update(
+        engine=asdict(engine),
+        baselines={k: asdict(v) for k, v in baselines.items()},
+        ratios=ratios,
+        decode_steps=[asdict(s) for s in steps],
+    )
+    if args.plot:
+        print(f"plot written to {plots.engine(report, plots.target(args.plot, 'engine'))}", file=out, flush=True)
     if args.json:
-        report.update(
-            engine=asdict(engine),
-            baselines={k: asdict(v) for k, v in baselines.items()},
-            ratios=ratios,
-            decode_steps=[asdict(s) for s in steps],
-        )
         print(json.dumps(report))
 
 
-def _print(name: str, result: Result, out) -> None:
+def _print(name: str, result: Result, out, progress: tqdm | None = None) -> None:
     ended = "" if not result.timed_out else f", TIMED OUT with {result.completed} finished"
-    print(
+    line = (
         f"{name:42s} {result.tokens_per_s:9.1f} tok/s  TTFT p50 {result.ttft_p50_ms:9.1f} ms  "
         f"p99 {result.ttft_p99_ms:9.1f} ms  TPOT {result.tpot_ms:7.2f} ms  "
-        f"({result.requests} requests, {result.output_tokens} tokens, {result.seconds} s{ended})",
-        file=out,
-        flush=True,
+        f"({result.requests} requests, {result.output_tokens} tokens, {result.seconds} s{ended})"
     )
+    if progress is None:
+        print(line, file=out, flush=True)
+        return
+    progress.write(line, file=out)  # above the progress bar, not through it
+    out.flush()
+    progress.update()

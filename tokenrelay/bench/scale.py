@@ -45,6 +45,7 @@ import httpx
 from bus.kafka import KafkaBus, KafkaSettings
 from bus.topics import routing_topic
 from schemas.messages import WorkerLoad
+from tokenrelay.bench import plots
 from tokenrelay.bench.serve import Outcome, Request, load_client, one_stream, percentiles, sse
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 from workers.simulated.profile import Profile, StepCost
@@ -287,26 +288,6 @@ def _print_scale(row: dict) -> None:
     )
 
 
-def _plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    counts = [r["workers"] for r in rows]
-    figure, (throughput, ttft) = pyplot.subplots(1, 2, figsize=(11, 4))
-    throughput.plot(counts, [r["token_throughput"] for r in rows], "o-", label="measured")
-    throughput.plot(counts, [n * rows[0]["token_throughput"] / rows[0]["workers"] for n in counts], "--", label="ideal")
-    throughput.set(xlabel="simulated workers", ylabel="tokens/s", title="Token throughput")
-    throughput.legend()
-    for q in ("p50", "p99"):
-        ttft.plot(counts, [r["ttft_ms"][q] for r in rows], "o-", label=f"TTFT {q}")
-    ttft.set(xlabel="simulated workers", ylabel="ms", title="Time to first token")
-    ttft.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="tokenrelay bench scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -330,7 +311,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker from deploy/kafka/")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
-    parser.add_argument("--plot", default="", help="write a PNG of throughput and TTFT against N here")
+    parser.add_argument(
+        "--plot",
+        default="",
+        help="write a PNG of throughput and TTFT against N: this .png file, or scale.png in this directory",
+    )
     parser.add_argument("--log-level", default="warning", help="of the processes started")
     parser.add_argument("--log-dir", default="", help="keep the processes' logs here; empty: a temporary directory")
     args = parser.parse_args(argv)
@@ -357,8 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.chat_workers:
                 report["chat"] = _chat(args, bootstrap, base, logs)
     if args.plot:
-        _plot(report["scale"], args.plot)
-        print(f"plot written to {args.plot}")
+        print(f"plot written to {plots.scale(report['scale'], plots.target(args.plot, 'scale'))}")
     if args.json:
         print(json.dumps(report), flush=True)
 

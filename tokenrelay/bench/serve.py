@@ -34,8 +34,10 @@ from pathlib import Path
 
 import httpx
 import websockets
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from tokenrelay.bench import plots
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 from workers.bundled import BUNDLED_MODEL
 
@@ -130,23 +132,41 @@ def load_client() -> httpx.AsyncClient:
 
 
 async def run_load(
-    base: str, model: str, endpoint: str, requests: list[Request], concurrency: int, rate: float, seed: int
+    base: str,
+    model: str,
+    endpoint: str,
+    requests: list[Request],
+    concurrency: int,
+    rate: float,
+    seed: int,
+    progress: str = "",
 ) -> dict:
     """Send the workload; the measured figures."""
-    return summarize(*await send_load(base, model, endpoint, requests, concurrency, rate, seed))
+    return summarize(*await send_load(base, model, endpoint, requests, concurrency, rate, seed, progress))
 
 
 async def send_load(
-    base: str, model: str, endpoint: str, requests: list[Request], concurrency: int, rate: float, seed: int
+    base: str,
+    model: str,
+    endpoint: str,
+    requests: list[Request],
+    concurrency: int,
+    rate: float,
+    seed: int,
+    progress: str = "",
 ) -> tuple[list[Outcome], float]:
-    """Send the workload; each request's outcome, and the seconds it all took."""
+    """Send the workload; each request's outcome, and the seconds it all took. `progress`: the label of a
+    progress bar of finished requests on stderr (none when empty, or when stderr is not a terminal)."""
     limit = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
     client = load_client()
+    bar = tqdm(total=len(requests), desc=progress, unit="req", disable=None if progress else True, leave=False)
 
     async def limited(request: Request) -> Outcome:
         async with limit:
-            return await one_stream(endpoint, client, base, model, request)
+            outcome = await one_stream(endpoint, client, base, model, request)
+        bar.update()
+        return outcome
 
     started = time.perf_counter()
     tasks = []
@@ -157,6 +177,7 @@ async def send_load(
                 await asyncio.sleep(rng.expovariate(rate))
         outcomes = await asyncio.gather(*tasks)
     finally:
+        bar.close()
         await client.aclose()
     return outcomes, time.perf_counter() - started
 
@@ -259,6 +280,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3, help="with --topology: each sends the workload once, in turn")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
+    parser.add_argument(
+        "--plot",
+        default="",
+        help="write a PNG of tokens/s, TTFT and ITL per topology: this .png file, or serve.png in this directory",
+    )
     args = parser.parse_args(argv)
     if bool(args.url) == bool(args.topology):
         parser.error("give either --url or --topology")
@@ -274,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     results: dict[str, dict] = {}
     if args.url:
-        results["server"] = asyncio.run(run_load(args.url, **load))
+        results["server"] = asyncio.run(run_load(args.url, **load, progress="server"))
         _print_table("server", results["server"])
     else:
         with tempfile.TemporaryDirectory(prefix="tokenrelay-bench-") as scratch, ExitStack() as running:
@@ -290,15 +316,16 @@ def main(argv: list[str] | None = None) -> None:
             sent: dict[str, tuple[list[Outcome], float]] = {name: ([], 0.0) for name in bases}
             # Taking turns, round after round: a machine that slows down or speeds up meanwhile
             # (a shared one does) weighs on every topology alike.
-            for _ in range(args.rounds):
+            for round_ in range(1, args.rounds + 1):
                 for name, base in bases.items():
-                    outcomes, seconds = asyncio.run(send_load(base, **load))
+                    label = f"{name} round {round_}/{args.rounds}"
+                    outcomes, seconds = asyncio.run(send_load(base, **load, progress=label))
                     sent[name] = (sent[name][0] + outcomes, sent[name][1] + seconds)
             for name, (outcomes, seconds) in sent.items():
                 results[name] = summarize(outcomes, seconds)
                 _print_table(name, results[name])
     report = {
-        "workload": {key: value for key, value in vars(args).items() if key not in ("json", "url")},
+        "workload": {key: value for key, value in vars(args).items() if key not in ("json", "url", "plot")},
         "results": results,
     }
     if {"serve", "kafka"} <= results.keys():
@@ -311,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
             f"ITL p50 {added['itl_p50']} ms, p99 {added['itl_p99']} ms",
             flush=True,
         )
+    if args.plot:
+        print(f"plot written to {plots.serve(results, plots.target(args.plot, 'serve'))}", flush=True)
     if args.json:
         print(json.dumps(report), flush=True)
 
