@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.processes import TOKENRELAY
 from tests.reference import bundled
 from tokenrelay.bench import plots
@@ -64,7 +66,9 @@ def test_the_engine_bench_reports_the_engine_every_baseline_the_ratios_and_decod
     assert [s["batch"] for s in steps] == [1, 3] and steps[1]["mean_context"] > 0
     for step in steps:  # no CUDA graphs on the CPU
         assert step["eager_ms"] > 0 and step["bound_ms"] > 0 and step["graphed_ms"] is None
-        assert abs(step["eager_over_bound"] - step["eager_ms"] / step["bound_ms"]) < 0.01
+        # Each figure is rounded apart (ms to 3 places, the ratio to 2): the ratio of the rounded ms is off by up
+        # to 0.0005 / bound x (1 + ratio) + 0.005, 0.015 for a 51x step on a machine under load.
+        assert step["eager_over_bound"] == pytest.approx(step["eager_ms"] / step["bound_ms"], rel=1e-3, abs=0.01)
     # --plot DIR: the chart of every method, named after the bench.
     assert (tmp_path / "charts" / "engine.png").read_bytes()[:8] == PNG
 
