@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -17,12 +17,17 @@ from gateway.service import GatewayService
 
 
 def create_app(
-    service: GatewayService, media: MediaLoader, max_request_bytes: int, api_keys: list[str] | None = None
+    service: GatewayService,
+    media: MediaLoader,
+    max_request_bytes: int,
+    api_keys: list[str] | None = None,
+    more_metrics: Callable[[], Awaitable[bytes]] | None = None,
 ) -> FastAPI:
     """An app that serves through `service`, which it starts and stops with itself.
 
     Request bodies over `max_request_bytes` are refused (413) before they are
     parsed; with `api_keys`, requests without one of them are refused (401) first.
+    `more_metrics()`: Prometheus text that GET /metrics adds (another process's, as serve's engine).
     """
 
     @asynccontextmanager
@@ -40,6 +45,7 @@ def create_app(
     )
     app.state.gateway = service
     app.state.media = media
+    app.state.more_metrics = more_metrics
     app.add_middleware(RequestBodies, max_bytes=max_request_bytes)
     if api_keys:
         app.add_middleware(ApiKeys, keys=api_keys)  # added last: it runs first

@@ -57,8 +57,23 @@ def test_the_comparison_is_kafka_over_serve():
             "itl_ms": {"p50": itl, "p99": 3 * itl},
         }
 
-    compared = compare({"serve": result(1000.0, 100.0, 10.0), "kafka": result(950.0, 130.0, 12.0)})
+    compared = compare({"serve": result(1000.0, 100.0, 10.0), "kafka": result(950.0, 130.0, 12.0)}, "kafka", "serve")
     assert compared == {
         "kafka_over_serve_token_throughput": 0.95,
         "kafka_added_latency_ms": {"ttft_p50": 30.0, "ttft_p99": 60.0, "itl_p50": 2.0, "itl_p99": 6.0},
     }
+
+
+def test_the_engine_topology_gets_the_same_tokens_and_serve_is_one_ratio_of_it():
+    """`--topology engine serve`: the same greedy requests straight to an engine in the bench's process, then
+    through `tokenrelay serve` (its engine in a process of its own): the same tokens, and their throughput ratio."""
+    command = [TOKENRELAY, "bench", "serve", "--topology", "engine", "serve", "--rounds", "1", *ARGS, "--json"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    engine, serve = report["results"]["engine"], report["results"]["serve"]
+    assert engine["completed"] == serve["completed"] == 6
+    assert engine["output_tokens"] == serve["output_tokens"] and engine["output_tokens"] >= 6
+    ratio = report["comparison"]["serve_over_engine_token_throughput"]
+    assert ratio == round(serve["output_token_throughput"] / engine["output_token_throughput"], 3)
+    assert "serve / engine token throughput" in run.stdout

@@ -24,6 +24,7 @@ import socket
 import ssl
 import sys
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,11 +35,13 @@ import uvicorn
 from bus.base import Bus
 from bus.inprocess import InProcessBus
 from bus.kafka import KafkaBus, KafkaSettings
+from bus.local import LocalBus
 from gateway.api_keys import load_keys
 from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
 from tokenrelay import logs, topology
+from tokenrelay.engine_process import EngineProcess, ignore_interrupts
 from workers.bundled import (
     BUNDLED_MODEL,
     BUNDLED_MODEL_NAME,
@@ -49,6 +52,8 @@ from workers.bundled import (
 from workers.simulated.profile import names as simulation_profiles
 
 if TYPE_CHECKING:
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Model
     from workers.worker import Worker
 
 # torch and transformers are imported only where a model runs (serve, worker,
@@ -316,10 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
     bench = commands.add_parser(
         "bench",
-        help="benchmarks: `tokenrelay bench {engine,serve,chaos,scale,priority,profile} --help`",
+        help="benchmarks: `tokenrelay bench {engine,serve,chaos,rolling,scale,priority,profile} --help`",
         add_help=False,
     )
-    bench.add_argument("benchmark", choices=["engine", "serve", "chaos", "scale", "priority", "profile"])
+    bench.add_argument("benchmark", choices=["engine", "serve", "chaos", "rolling", "scale", "priority", "profile"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     for sub in (serve, gateway, worker, simulate):
         _common_options(sub)
@@ -364,8 +369,21 @@ def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
 
 
 def _worker(args: argparse.Namespace, bus: Bus, worker_id: str) -> Worker:
-    from workers.engine.config import EngineConfig
     from workers.worker import Worker, WorkerSettings
+
+    settings = WorkerSettings(
+        worker_id=worker_id,
+        topic_prefix=args.topic_prefix,
+        partitions=args.partitions,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+    model, config, names = engine_parts(args)
+    return Worker(bus, model, config, names, settings)
+
+
+def engine_parts(args: argparse.Namespace) -> tuple[Model, EngineConfig, list[str]]:
+    """What a worker's engine runs, as a worker's flags say: the model (loaded), its config, its served names."""
+    from workers.engine.config import EngineConfig
 
     config = EngineConfig(
         max_batch_size=args.max_batch_size or None,
@@ -379,33 +397,27 @@ def _worker(args: argparse.Namespace, bus: Bus, worker_id: str) -> Worker:
         cuda_graphs=not args.no_cuda_graphs,
         aging_s=args.priority_aging,
     )
-    settings = WorkerSettings(
-        worker_id=worker_id,
-        topic_prefix=args.topic_prefix,
-        partitions=args.partitions,
-        heartbeat_interval_s=args.heartbeat_interval,
-    )
     if args.simulate:
         from workers.simulated.model import SimulatedModel
         from workers.simulated.profile import Profile
 
         model = SimulatedModel(Profile.load(args.simulate))
-        names = args.served_model_name or [model.profile.name]
-        return Worker(bus, model, model.engine_config(config), names, settings)
+        return model, model.engine_config(config), args.served_model_name or [model.profile.name]
     from workers.engine.model_loader import load_model
 
     path, name = args.model, args.model
     if args.model == str(BUNDLED_MODEL):
         path, name = (BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME) if args.vision else (path, BUNDLED_MODEL_NAME)
-    names = args.served_model_name or [name]
-    return Worker(bus, load_model(str(path), args.device, args.dtype or None), config, names, settings)
+    return load_model(str(path), args.device, args.dtype or None), config, args.served_model_name or [name]
 
 
 def _worker_id(args: argparse.Namespace) -> str:
     return args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
+def _http_server(
+    args: argparse.Namespace, bus: Bus, more_metrics: Callable[[], Awaitable[bytes]] | None = None
+) -> _Server:
     settings = GatewaySettings(
         topic_prefix=args.topic_prefix,
         gateway_id=args.gateway_id,
@@ -426,6 +438,7 @@ def _http_server(args: argparse.Namespace, bus: Bus) -> uvicorn.Server:
         media,
         max_request_bytes=args.max_request_length * 1024 * 1024,
         api_keys=load_keys(args.api_keys, args.api_keys_file),
+        more_metrics=more_metrics,
     )
     config = uvicorn.Config(
         app,
@@ -467,7 +480,13 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _run(bus: Bus, server: _Server | None, workers: list[Worker], drain_timeout_s: float) -> bool:
+async def _run(
+    bus: Bus,
+    server: _Server | None,
+    workers: list[Worker | EngineProcess],
+    drain_timeout_s: float,
+    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+) -> bool:
     """Run the parts until a signal, or until one of them ends; then stop them all.
 
     A first signal drains them first (at most `drain_timeout_s`), a second one cuts that short.
@@ -476,7 +495,7 @@ async def _run(bus: Bus, server: _Server | None, workers: list[Worker], drain_ti
     failed = False
     stopping, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         loop.add_signal_handler(sig, lambda: hurry.set() if stopping.is_set() else stopping.set())
     await bus.start()
     tasks = [asyncio.create_task(stopping.wait(), name="signal")]
@@ -508,7 +527,7 @@ async def _run(bus: Bus, server: _Server | None, workers: list[Worker], drain_ti
 
 async def _drain(
     gateway: GatewayService | None,
-    workers: list[Worker],
+    workers: list[Worker | EngineProcess],
     timeout_s: float,
     hurry: asyncio.Event,
     parts: list[asyncio.Task],
@@ -534,6 +553,28 @@ async def _drain(
     return not failed
 
 
+def _engine_main(argv: list[str], socket_path: str) -> None:
+    """The engine process of `tokenrelay serve ARGV` (tokenrelay/engine_process.py): its worker, on the serve
+    process's bus at `socket_path`."""
+    ignore_interrupts()
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level, process="engine")
+    for collector in (
+        prometheus_client.PROCESS_COLLECTOR,
+        prometheus_client.PLATFORM_COLLECTOR,
+        prometheus_client.GC_COLLECTOR,
+    ):
+        prometheus_client.REGISTRY.unregister(collector)  # the serve process's own report these
+    bus = LocalBus(socket_path, prometheus_client.generate_latest, args.max_message_bytes)
+    try:
+        worker = _worker(args, bus, _worker_id(args))
+        ok = asyncio.run(_run(bus, None, [worker], args.drain_timeout, signals=(signal.SIGTERM,)))
+    except Exception:
+        log.exception("failed")
+        ok = False
+    sys.exit(0 if ok else 1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
@@ -546,7 +587,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(topology.up(args))
     if args.command == "serve":
         bus: Bus = InProcessBus(args.max_message_bytes)
-        parts = (_http_server(args, bus), [_worker(args, bus, _worker_id(args))])
+        engine = EngineProcess(bus, _engine_main, sys.argv[1:] if argv is None else argv)
+        parts = (_http_server(args, bus, engine.metrics), [engine])
     elif args.command == "gateway":
         bus = _kafka_bus(args, client_id=f"gateway-{args.gateway_id or uuid.uuid4().hex[:8]}")
         parts = (_http_server(args, bus), [])

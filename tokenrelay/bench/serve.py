@@ -236,15 +236,16 @@ def topology(name: str, logs: Path, worker_args: list[str], kafka_bootstrap: str
         yield base
 
 
-def compare(results: dict[str, dict]) -> dict:
-    """The Kafka topology against the in-process one: throughput ratio, added latency."""
-    serve, kafka = results["serve"], results["kafka"]
+def compare(results: dict[str, dict], topology: str, reference: str) -> dict:
+    """One topology against another (the Kafka one against serve, serve against the engine alone): the token
+    throughput ratio, and the latency it adds."""
+    measured, base = results[topology], results[reference]
     return {
-        "kafka_over_serve_token_throughput": round(
-            kafka["output_token_throughput"] / max(serve["output_token_throughput"], 1e-9), 3
+        f"{topology}_over_{reference}_token_throughput": round(
+            measured["output_token_throughput"] / max(base["output_token_throughput"], 1e-9), 3
         ),
-        "kafka_added_latency_ms": {
-            f"{metric}_{q}": round(kafka[f"{metric}_ms"][q] - serve[f"{metric}_ms"][q], 2)
+        f"{topology}_added_latency_ms": {
+            f"{metric}_{q}": round(measured[f"{metric}_ms"][q] - base[f"{metric}_ms"][q], 2)
             for metric in ("ttft", "itl")
             for q in ("p50", "p99")
         },
@@ -267,7 +268,12 @@ def main(argv: list[str] | None = None) -> None:
         prog="tokenrelay bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--url", help="a running server's base URL, e.g. http://127.0.0.1:1025")
-    parser.add_argument("--topology", nargs="+", choices=["serve", "kafka"], help="start these here, one at a time")
+    parser.add_argument(
+        "--topology",
+        nargs="+",
+        choices=["engine", "serve", "kafka"],
+        help="start these here, one at a time (engine: the same requests straight to an engine in this process)",
+    )
     parser.add_argument("--kafka-bootstrap", default="", help="for --topology kafka; empty: a local broker")
     parser.add_argument("--worker-args", default="", help="extra flags for the worker (or serve), one string")
     parser.add_argument("--model", default="tokenrelay-tiny", help="the model name to request")
@@ -310,16 +316,28 @@ def main(argv: list[str] | None = None) -> None:
             bases = {
                 name: running.enter_context(topology(name, logs, worker_args, bootstrap, args.model))
                 for name in dict.fromkeys(args.topology)
+                if name != "engine"
             }
             for base in bases.values():
                 asyncio.run(run_load(base, **{**load, "requests": requests[:4]}))  # warm up
+            direct = {key: load[key] for key in ("requests", "concurrency", "rate", "seed")}
+            if "engine" in args.topology:
+                from tokenrelay.bench.serve_engine import EngineTopology
+
+                engine = EngineTopology(worker_args)
+                running.callback(engine.close)
+                engine.send_load(**{**direct, "requests": requests[:4]})  # warm up
+                bases = {"engine": "", **bases}
             sent: dict[str, tuple[list[Outcome], float]] = {name: ([], 0.0) for name in bases}
             # Taking turns, round after round: a machine that slows down or speeds up meanwhile
             # (a shared one does) weighs on every topology alike.
             for round_ in range(1, args.rounds + 1):
                 for name, base in bases.items():
                     label = f"{name} round {round_}/{args.rounds}"
-                    outcomes, seconds = asyncio.run(send_load(base, **load, progress=label))
+                    if name == "engine":
+                        outcomes, seconds = engine.send_load(**direct)
+                    else:
+                        outcomes, seconds = asyncio.run(send_load(base, **load, progress=label))
                     sent[name] = (sent[name][0] + outcomes, sent[name][1] + seconds)
             for name, (outcomes, seconds) in sent.items():
                 results[name] = summarize(outcomes, seconds)
@@ -328,16 +346,19 @@ def main(argv: list[str] | None = None) -> None:
         "workload": {key: value for key, value in vars(args).items() if key not in ("json", "url", "plot")},
         "results": results,
     }
-    if {"serve", "kafka"} <= results.keys():
-        report["comparison"] = compare(results)
-        comparison = report["comparison"]
-        added = comparison["kafka_added_latency_ms"]
-        print(
-            f"kafka / serve token throughput: {comparison['kafka_over_serve_token_throughput']}x; "
-            f"the Kafka hop adds TTFT p50 {added['ttft_p50']} ms, p99 {added['ttft_p99']} ms; "
-            f"ITL p50 {added['itl_p50']} ms, p99 {added['itl_p99']} ms",
-            flush=True,
-        )
+    report["comparison"] = {}
+    for measured, reference in (("serve", "engine"), ("kafka", "serve")):
+        if {measured, reference} <= results.keys():
+            comparison = compare(results, measured, reference)
+            report["comparison"].update(comparison)
+            added = comparison[f"{measured}_added_latency_ms"]
+            print(
+                f"{measured} / {reference} token throughput: "
+                f"{comparison[f'{measured}_over_{reference}_token_throughput']}x; "
+                f"{measured} adds TTFT p50 {added['ttft_p50']} ms, p99 {added['ttft_p99']} ms; "
+                f"ITL p50 {added['itl_p50']} ms, p99 {added['itl_p99']} ms",
+                flush=True,
+            )
     if args.plot:
         print(f"plot written to {plots.serve(results, plots.target(args.plot, 'serve'))}", flush=True)
     if args.json:
