@@ -202,6 +202,9 @@ async def test_a_broker_killed_under_16_streams_loses_nothing_on_a_replicated_cl
                 values = {entry[0]: entry[1] for entry in resource[4]}
                 assert values["min.insync.replicas"] == "2", resource[3]
             assert not gateway.process.events_named("kafka_unreplicated_topics")
+            # Kafka's own: the group offsets the worker commits (created when its group formed) are replicated too.
+            [offsets] = await admin.describe_topics(["__consumer_offsets"])
+            assert offsets["partitions"] and all(len(p["replicas"]) == 3 for p in offsets["partitions"]), offsets
 
             url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
             reference = await _streams(url)
