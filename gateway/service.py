@@ -139,9 +139,11 @@ class GatewayService:
     async def drained(self, timeout_s: float) -> None:
         """Until every request in flight has ended, or `timeout_s` has passed."""
         deadline = time.monotonic() + timeout_s
-        while len(self.inflight) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        log.info("gateway_drained", gateway_id=self.gateway_id, cut_short=len(self.inflight))
+        try:
+            while len(self.inflight) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:  # also when a second signal cuts it short
+            log.info("gateway_drained", gateway_id=self.gateway_id, cut_short=len(self.inflight))
 
     async def _route_replies(self, replies: Listener) -> None:
         async for message in replies:

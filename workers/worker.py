@@ -210,9 +210,11 @@ class Worker:
         await self._queue.close()  # leaves the group
         await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published")
         deadline = time.monotonic() + timeout_s
-        while self._active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        log.info("worker_drained", worker_id=self._settings.worker_id, handed_over=len(self._active))
+        try:
+            while self._active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:  # also when a second signal cuts it short
+            log.info("worker_drained", worker_id=self._settings.worker_id, handed_over=len(self._active))
 
     def _hand_back(self, delivery: Delivery) -> None:
         self._handed_back[delivery.request.request_id] = delivery.request.attempt

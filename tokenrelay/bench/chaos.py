@@ -86,12 +86,19 @@ def kinds(count: int, seed: int) -> list[Kind]:
     return [Kind(PROMPTS[i % len(PROMPTS)], rng.randrange(1, 2**31), rng.randint(24, 96)) for i in range(count)]
 
 
+class Refused(RuntimeError):
+    """A gateway refused the request before starting it, as it does while it drains (503): send it elsewhere."""
+
+
 async def stream(client: httpx.AsyncClient, url: str, kind: Kind) -> Stream:
-    """One generate_stream; raises RuntimeError for an HTTP error or an error event."""
+    """One generate_stream; raises RuntimeError for an HTTP error or an error event (Refused: a draining gateway)."""
     texts, counts, times = [], [], []
     async with client.stream("POST", url, json=kind.body()) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            body = await response.aread()
+            if response.status_code == 503 and b"shutting down" in body:
+                raise Refused(f"{url} drains")
+            raise RuntimeError(f"HTTP {response.status_code}: {body[:200]!r}")
         async for line in response.aiter_lines():
             if line.startswith("data:"):
                 event = json.loads(line[len("data:") :])
