@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib
 import os
 import signal
@@ -486,11 +487,12 @@ async def _run(
     workers: list[Worker | EngineProcess],
     drain_timeout_s: float,
     signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+    started: Callable[[], None] | None = None,
 ) -> bool:
     """Run the parts until a signal, or until one of them ends; then stop them all.
 
     A first signal drains them first (at most `drain_timeout_s`), a second one cuts that short.
-    Returns False when a part failed.
+    `started()` is called once the workers have started. Returns False when a part failed.
     """
     failed = False
     stopping, hurry = asyncio.Event(), asyncio.Event()
@@ -501,6 +503,8 @@ async def _run(
     tasks = [asyncio.create_task(stopping.wait(), name="signal")]
     try:
         await asyncio.gather(*(worker.start() for worker in workers))
+        if started is not None:
+            started()
         tasks += [asyncio.create_task(worker.run(), name="worker") for worker in workers]
         if server is not None:
             tasks.append(asyncio.create_task(server.serve(), name="http"))
@@ -575,6 +579,11 @@ def _engine_main(argv: list[str], socket_path: str) -> None:
     sys.exit(0 if ok else 1)
 
 
+def _serve_metrics(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    prometheus_client.start_http_server(int(port), addr=host or "0.0.0.0")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
@@ -600,11 +609,10 @@ def main(argv: list[str] | None = None) -> None:
             args.simulate = args.simulate or "bundled-cpu"
             workers = [_worker(args, bus, f"{_worker_id(args)}-{i}") for i in range(args.workers)]
         parts = (None, workers)
-        if args.metrics_address:
-            host, _, port = args.metrics_address.rpartition(":")
-            prometheus_client.start_http_server(int(port), addr=host or "0.0.0.0")
+    # A worker's /metrics answers once it has loaded its model and joined its group: a readiness probe.
+    started = functools.partial(_serve_metrics, args.metrics_address) if getattr(args, "metrics_address", "") else None
     try:
-        ok = asyncio.run(_run(bus, *parts, args.drain_timeout))
+        ok = asyncio.run(_run(bus, *parts, args.drain_timeout, started=started))
     except Exception:
         log.exception("failed")
         ok = False
