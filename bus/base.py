@@ -14,6 +14,7 @@ Implementations: `bus.kafka.KafkaBus` (the real thing) and
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -99,6 +100,40 @@ class RequestQueue(ABC):
         Call it every few seconds. Requests taken and not finished are
         delivered again after a rebuild (to this member or another).
         """
+
+
+class HandedRequests(RequestQueue):
+    """A request queue whose requests are handed to it in this process (`arrived`), as a list offered most
+    urgent first: the in-process bus's queue, and a child process's queue on it (bus/local.py)."""
+
+    def __init__(self, aging_s: float) -> None:
+        self._aging_s = aging_s
+        self._waiting: list[Delivery] = []
+        self._arrived = asyncio.Event()
+
+    def arrived(self, delivery: Delivery) -> None:
+        self._waiting.append(delivery)
+        self._arrived.set()
+
+    async def take(self, accept: Accept, timeout_s: float) -> list[Delivery]:
+        taken = offer(self._waiting, accept, self._aging_s)
+        if taken:
+            return taken
+        self._arrived.clear()
+        try:
+            await asyncio.wait_for(self._arrived.wait(), timeout_s)
+        except TimeoutError:
+            return []
+        return offer(self._waiting, accept, self._aging_s)
+
+    def offer_waiting(self, accept: Accept) -> list[Delivery]:
+        return offer(self._waiting, accept, self._aging_s)
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def revive_if_stuck(self) -> bool:
+        return False  # nothing between the queue and where its requests come from to get stuck
 
 
 def offer(waiting: list[Delivery], accept: Accept, aging_s: float) -> list[Delivery]:

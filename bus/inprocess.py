@@ -13,7 +13,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from bus.base import Accept, Bus, Delivery, Listener, RequestQueue, UnknownTopic, offer
+from bus.base import Bus, Delivery, HandedRequests, Listener, RequestQueue, UnknownTopic
 from schemas.messages import BusMessage, GenerationRequest
 
 _REPLAY_WINDOW_S = 60.0
@@ -45,40 +45,17 @@ class _InProcessListener(Listener):
         """Nothing to rebuild: an in-process listener cannot get stuck."""
 
 
-class _InProcessRequestQueue(RequestQueue):
+class _InProcessRequestQueue(HandedRequests):
     def __init__(self, aging_s: float) -> None:
-        self._aging_s = aging_s
-        self._waiting: list[Delivery] = []
-        self._arrived = asyncio.Event()
+        super().__init__(aging_s)
         self.unfinished: Counter[str] = Counter()  # per topic: taken or not, not finished yet
 
     def put(self, topic: str, request: GenerationRequest) -> None:
-        self._waiting.append(Delivery(request, topic))
         self.unfinished[topic] += 1
-        self._arrived.set()
-
-    async def take(self, accept: Accept, timeout_s: float) -> list[Delivery]:
-        taken = offer(self._waiting, accept, self._aging_s)
-        if taken:
-            return taken
-        self._arrived.clear()
-        try:
-            await asyncio.wait_for(self._arrived.wait(), timeout_s)
-        except TimeoutError:
-            return []
-        return offer(self._waiting, accept, self._aging_s)
-
-    def offer_waiting(self, accept: Accept) -> list[Delivery]:
-        return offer(self._waiting, accept, self._aging_s)
-
-    def waiting(self) -> int:
-        return len(self._waiting)
+        self.arrived(Delivery(request, topic))
 
     def finished(self, delivery: Delivery) -> None:
         self.unfinished[delivery.source] -= 1
-
-    async def revive_if_stuck(self) -> bool:
-        return False  # nothing between the queue and its topics to get stuck
 
     async def close(self) -> None:
         self._arrived.set()

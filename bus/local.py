@@ -11,7 +11,8 @@ their JSON encoding, calls and replies as JSON. A request queue is fed from
 the server side: what the in-process queue hands out is sent to the child at
 once, which offers it to its worker as Kafka's fetched requests are, and
 says when each is finished. The server also asks its children for their
-Prometheus metrics, so that the serve process's /metrics has the engine's.
+Prometheus metrics, so that the serve process's /metrics has the engine's,
+and tells them when to drain and stop.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import structlog
 
-from bus.base import Accept, Bus, BusUnavailable, Delivery, Listener, RequestQueue, UnknownTopic, offer
+from bus.base import Bus, BusUnavailable, Delivery, HandedRequests, Listener, RequestQueue, UnknownTopic
 from schemas.messages import BusMessage, GenerationRequest, decode, encode
 
 log = structlog.get_logger(__name__)
@@ -34,7 +34,7 @@ _HEADER = struct.Struct(">BII")  # kind, id, body length
 # Child -> server
 _CALL, _PUBLISH, _FINISHED, _METRICS = 1, 2, 3, 4
 # Server -> child
-_REPLY, _ERROR, _MESSAGE, _DELIVERY, _METRICS_ASKED = 11, 12, 13, 14, 15
+_REPLY, _ERROR, _MESSAGE, _DELIVERY, _METRICS_ASKED, _STOP_ASKED = 11, 12, 13, 14, 15, 16
 _TAKE_WAIT_S = 1.0
 
 
@@ -69,6 +69,11 @@ class LocalBusServer:
             self._server.close()
         for child in list(self._children):
             await child.close()
+
+    async def ask_to_stop(self) -> None:
+        """Tell every connected child to stop: the first time to drain, the second to stop at once."""
+        for child in self._children:
+            await child.ask_to_stop()
 
     async def metrics(self) -> bytes:
         """The Prometheus text of every connected child."""
@@ -134,16 +139,14 @@ class _Child:
             return await self._bus.delete_topics(call["topics"])
         if op == "backlog":
             return await self._bus.backlog(call["topics"], call["group"])
-        if op == "listen":
+        if op == "listen":  # ids are the child's: what they name may arrive before the reply
             listener = await self._bus.listen(call["topic"], call["replay_s"])
-            ident = next(self._ids)
-            self._listeners[ident] = (listener, asyncio.create_task(self._forward(ident, listener)))
-            return ident
+            self._listeners[call["id"]] = (listener, asyncio.create_task(self._forward(call["id"], listener)))
+            return None
         if op == "open_request_queue":
             queue = await self._bus.open_request_queue(call["topics"], call["group"], call["aging_s"])
-            ident = next(self._ids)
-            self._queues[ident] = (queue, asyncio.create_task(self._feed(ident, queue)))
-            return ident
+            self._queues[call["id"]] = (queue, asyncio.create_task(self._feed(call["id"], queue)))
+            return None
         if op in ("close_listener", "close_request_queue"):
             closing, task = (self._listeners if op == "close_listener" else self._queues).pop(call["id"])
             task.cancel()
@@ -165,6 +168,10 @@ class _Child:
                 _write(self._writer, _DELIVERY, delivery_id, header + encode(delivery.request))
             await self._writer.drain()
 
+    async def ask_to_stop(self) -> None:
+        _write(self._writer, _STOP_ASKED, 0, b"")
+        await self._writer.drain()
+
     async def metrics(self) -> bytes:
         ident = next(self._ids)
         asked = self._metrics[ident] = asyncio.get_running_loop().create_future()
@@ -184,10 +191,20 @@ class _Child:
 class LocalBus(Bus):
     """A child process's bus: the parent's `LocalBusServer`, at the Unix socket `path`."""
 
-    def __init__(self, path: str, metrics: Callable[[], bytes], max_message_bytes: int | None = None) -> None:
-        """`metrics()`: this process's Prometheus text, for the parent's /metrics."""
+    def __init__(
+        self,
+        path: str,
+        metrics: Callable[[], bytes],
+        max_message_bytes: int | None = None,
+        on_lost: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`metrics()`: this process's Prometheus text, for the parent's /metrics; `on_lost()`: the server went
+        away (the serve process's engine then exits: nobody reads what it would make)."""
         self._path = path
         self._metrics = metrics
+        self._on_lost = on_lost
+        # What the server's ask to stop does (as a signal would): set by the process that runs on this bus.
+        self.stop_asked: Callable[[], None] = lambda: None
         self.max_message_bytes = max_message_bytes
         self._ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future[bytes]] = {}
@@ -207,14 +224,26 @@ class LocalBus(Bus):
             self._writer.close()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            await self._follow(reader)
+        except Exception:  # a reader that died would leave every call waiting for ever
+            log.exception("bus_client_failed", path=self._path)
+            self._on_lost()
+            raise
+
+    async def _follow(self, reader: asyncio.StreamReader) -> None:
         assert self._writer is not None
         while True:
             try:
                 kind, ident, body = await _read(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
-                # The serve process is gone: nobody reads what this one would make.
                 log.error("bus_server_gone", path=self._path)
-                os._exit(1)
+                for reply in self._replies.values():
+                    reply.set_exception(BusUnavailable("the bus server is gone"))
+                self._replies.clear()
+                self._writer.close()
+                self._on_lost()
+                return
             if kind in (_REPLY, _ERROR):
                 reply = self._replies.pop(ident)
                 if kind == _REPLY:
@@ -232,6 +261,8 @@ class LocalBus(Bus):
                 self._queues[int(queue_id)].arrived(Delivery(request, (topic.decode(), ident)))
             elif kind == _METRICS_ASKED:
                 _write(self._writer, _METRICS, ident, self._metrics())
+            elif kind == _STOP_ASKED:
+                self.stop_asked()
 
     async def _ask(self, kind: int, body: bytes):
         if self._writer is None or self._writer.is_closing():
@@ -258,15 +289,19 @@ class LocalBus(Bus):
         return await self._call("backlog", topics=list(topics), group=group)
 
     async def listen(self, topic: str, replay_s: float = 0.0) -> Listener:
-        messages: asyncio.Queue[BusMessage] = asyncio.Queue()
-        ident = await self._call("listen", topic=topic, replay_s=replay_s)
-        self._listeners[ident] = messages
+        ident = next(self._ids)
+        messages = self._listeners[ident] = asyncio.Queue()
+        await self._call("listen", topic=topic, replay_s=replay_s, id=ident)
         return _LocalListener(messages, lambda: self._call("close_listener", id=ident))
 
     async def open_request_queue(self, topics: Sequence[str], group: str, aging_s: float = 10.0) -> RequestQueue:
-        ident = await self._call("open_request_queue", topics=list(topics), group=group, aging_s=aging_s)
+        ident = next(self._ids)
         queue = self._queues[ident] = _LocalRequestQueue(self, ident, aging_s)
+        await self._call("open_request_queue", topics=list(topics), group=group, aging_s=aging_s, id=ident)
         return queue
+
+    async def close_request_queue(self, ident: int) -> None:
+        await self._call("close_request_queue", id=ident)
 
     def finished(self, delivery_id: int) -> None:
         if self._writer is not None and not self._writer.is_closing():
@@ -292,45 +327,19 @@ class _LocalListener(Listener):
         """Nothing to rebuild: a local listener cannot get stuck."""
 
 
-class _LocalRequestQueue(RequestQueue):
+class _LocalRequestQueue(HandedRequests):
     """The requests the server sent, waiting to be offered; a Delivery's source is (topic, delivery id)."""
 
     def __init__(self, bus: LocalBus, ident: int, aging_s: float) -> None:
+        super().__init__(aging_s)
         self._bus = bus
         self._ident = ident
-        self._aging_s = aging_s
-        self._waiting: list[Delivery] = []
-        self._arrived = asyncio.Event()
-
-    def arrived(self, delivery: Delivery) -> None:
-        self._waiting.append(delivery)
-        self._arrived.set()
-
-    async def take(self, accept: Accept, timeout_s: float) -> list[Delivery]:
-        taken = offer(self._waiting, accept, self._aging_s)
-        if taken:
-            return taken
-        self._arrived.clear()
-        try:
-            await asyncio.wait_for(self._arrived.wait(), timeout_s)
-        except TimeoutError:
-            return []
-        return offer(self._waiting, accept, self._aging_s)
-
-    def offer_waiting(self, accept: Accept) -> list[Delivery]:
-        return offer(self._waiting, accept, self._aging_s)
-
-    def waiting(self) -> int:
-        return len(self._waiting)
 
     def finished(self, delivery: Delivery) -> None:
         self._bus.finished(delivery.source[1])
 
-    async def revive_if_stuck(self) -> bool:
-        return False  # nothing between the queue and the server to get stuck
-
     async def close(self) -> None:
         try:
-            await self._bus._call("close_request_queue", id=self._ident)
+            await self._bus.close_request_queue(self._ident)
         except BusUnavailable:
             pass  # the serve process is closing too

@@ -205,11 +205,14 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
     assert sum(f["structured"] for f in failovers) >= 1, [f["structured"] for f in failovers]
 
 
-def test_a_minute_of_chaos_loses_nothing(kafka_bootstrap, topic_prefix, tmp_path):
-    """2 gateways, 3 workers, steady load; a worker SIGKILLed and restarted every 12 s (longer soaks:
-    `tokenrelay bench chaos`)."""
+def test_forty_seconds_of_chaos_lose_nothing(kafka_bootstrap, topic_prefix, tmp_path):
+    """2 gateways, 3 workers, steady load; a worker SIGKILLed and restarted every 10 s (longer soaks, and with the
+    bundled model: `tokenrelay bench chaos`). The workers are the real workers and engines around simulated
+    models (seeded tokens, the bundled model's step times): one restarts in a second or two, not in the ten
+    that loading torch takes on two cores, so that a kill never meets a worker still starting."""
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
-    workers = Workers(kafka, 3, tmp_path)
+    simulated = ["--simulate", "bundled-cpu", "--served-model-name", MODEL]
+    workers = Workers([*kafka, *simulated], 3, tmp_path)
     ports = [free_port(), free_port()]
     try:
         with tokenrelay_processes([["gateway", *kafka, "--port", str(port)] for port in ports], tmp_path) as gateways:
@@ -217,10 +220,10 @@ def test_a_minute_of_chaos_loses_nothing(kafka_bootstrap, topic_prefix, tmp_path
             for url in urls:
                 wait_gateway_ready(url, MODEL, [*gateways, *workers.processes])
             result = asyncio.run(
-                run_chaos(urls, workers, duration_s=60, kill_every_s=12, concurrency=8, hang_after_s=60)
+                run_chaos(urls, workers, duration_s=40, kill_every_s=10, concurrency=8, hang_after_s=60)
             )
     finally:
         workers.stop()
     print(result)  # the counts, for the CI log
-    assert result["workers_killed"] == 4 and result["requests"] > 50, result
+    assert result["workers_killed"] == 3 and result["requests"] > 40, result
     assert {o: result[o] for o in FAILURES} == dict.fromkeys(FAILURES, 0), result

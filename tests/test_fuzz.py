@@ -36,7 +36,7 @@ def test_generated_requests_get_no_server_error_and_only_documented_responses(tm
                 "--checks",
                 "not_a_server_error,response_schema_conformance,content_type_conformance,status_code_conformance",
                 "--max-examples",
-                "100",
+                "50",
                 "--seed",
                 "20261130",
                 "--generation-database",

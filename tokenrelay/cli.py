@@ -42,7 +42,7 @@ from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
 from tokenrelay import logs, topology
-from tokenrelay.engine_process import EngineProcess, ignore_interrupts
+from tokenrelay.engine_process import EngineProcess, ignore_signals
 from workers.bundled import (
     BUNDLED_MODEL,
     BUNDLED_MODEL_NAME,
@@ -497,8 +497,14 @@ async def _run(
     failed = False
     stopping, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def stop_asked() -> None:
+        (hurry if stopping.is_set() else stopping).set()
+
     for sig in signals:
-        loop.add_signal_handler(sig, lambda: hurry.set() if stopping.is_set() else stopping.set())
+        loop.add_signal_handler(sig, stop_asked)
+    if isinstance(bus, LocalBus):  # serve's engine process: its serve process asks, not a signal
+        bus.stop_asked = stop_asked
     await bus.start()
     tasks = [asyncio.create_task(stopping.wait(), name="signal")]
     try:
@@ -560,7 +566,7 @@ async def _drain(
 def _engine_main(argv: list[str], socket_path: str) -> None:
     """The engine process of `tokenrelay serve ARGV` (tokenrelay/engine_process.py): its worker, on the serve
     process's bus at `socket_path`."""
-    ignore_interrupts()
+    ignore_signals()
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, process="engine")
     for collector in (
@@ -569,10 +575,10 @@ def _engine_main(argv: list[str], socket_path: str) -> None:
         prometheus_client.GC_COLLECTOR,
     ):
         prometheus_client.REGISTRY.unregister(collector)  # the serve process's own report these
-    bus = LocalBus(socket_path, prometheus_client.generate_latest, args.max_message_bytes)
+    bus = LocalBus(socket_path, prometheus_client.generate_latest, args.max_message_bytes, on_lost=lambda: os._exit(1))
     try:
         worker = _worker(args, bus, _worker_id(args))
-        ok = asyncio.run(_run(bus, None, [worker], args.drain_timeout, signals=(signal.SIGTERM,)))
+        ok = asyncio.run(_run(bus, None, [worker], args.drain_timeout, signals=()))
     except Exception:
         log.exception("failed")
         ok = False

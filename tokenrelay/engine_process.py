@@ -3,9 +3,10 @@
 The serve process runs the gateway and the in-process bus; the engine
 process runs a worker on that bus through a Unix socket (bus/local.py). The
 model's steps then never wait for the interpreter lock that the gateway's
-HTTP work holds. Ctrl-C reaches both processes, and only the serve process
-acts on it: it drains the engine process by SIGTERM (a second signal, a
-second SIGTERM: stop at once). If either process dies, the other ends too.
+HTTP work holds. Signals sent to both (Ctrl-C, or SIGTERM to the process
+group) are acted on by the serve process only: it asks the engine process
+over the socket to drain (a second signal: to stop at once). If either
+process dies, the other ends too.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from bus.local import LocalBusServer
 
 log = structlog.get_logger(__name__)
 
-_STOP_WAIT_S = 10.0  # after a drain's time, or the stop signal: then it is killed
-_SIGNALS_APART_S = 0.2  # two signals sent closer may arrive as one
+_STOP_WAIT_S = 10.0  # after a drain's time, or after the ask to stop at once: then it is killed
 
 
 class EngineProcess:
@@ -70,7 +70,7 @@ class EngineProcess:
 
     async def drain(self, timeout_s: float) -> None:
         self._drained = True
-        self._process.terminate()
+        await self._server.ask_to_stop()
         try:
             await asyncio.wait_for(self._ended.wait(), timeout_s + _STOP_WAIT_S)
         except TimeoutError:
@@ -84,10 +84,9 @@ class EngineProcess:
             await self._server.close()
             return
         if not self._ended.is_set() and not self._drained:
-            self._process.terminate()  # the first SIGTERM starts a drain...
-            await asyncio.sleep(_SIGNALS_APART_S)
+            await self._server.ask_to_stop()  # the first ask starts a drain...
         if not self._ended.is_set():
-            self._process.terminate()  # ...the second one stops it at once
+            await self._server.ask_to_stop()  # ...the second one stops it at once
             try:
                 await asyncio.wait_for(self._ended.wait(), _STOP_WAIT_S)
             except TimeoutError:
@@ -102,6 +101,8 @@ class EngineProcess:
         return await self._server.metrics()
 
 
-def ignore_interrupts() -> None:
-    """In the engine process: Ctrl-C goes to the whole terminal's process group; the serve process handles it."""
+def ignore_signals() -> None:
+    """In the engine process: Ctrl-C (and a SIGTERM to the process group) is for the serve process, which asks
+    this one to drain when its own drain begins."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

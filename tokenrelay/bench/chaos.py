@@ -135,13 +135,14 @@ def judge(got: Stream, expected: Stream) -> str:
 class Workers:
     """Worker processes that can be killed and started again under the same id."""
 
-    def __init__(self, kafka: list[str], count: int, logs: Path) -> None:
-        self._kafka = kafka
+    def __init__(self, args: list[str], count: int, logs: Path) -> None:
+        """`args`: every worker's flags (Kafka's at least)."""
+        self._args = args
         self._logs = logs
         self.processes = [self._start(i) for i in range(count)]
 
     def _start(self, index: int) -> subprocess.Popen:
-        return spawn(["worker", *self._kafka, "--worker-id", f"worker-{index}"], self._logs / f"worker-{index}.log")
+        return spawn(["worker", *self._args, "--worker-id", f"worker-{index}"], self._logs / f"worker-{index}.log")
 
     def kill_and_restart(self, index: int) -> None:
         self.processes[index].send_signal(signal.SIGKILL)
