@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import importlib
+import logging
 import os
 import signal
 import socket
@@ -582,7 +583,7 @@ def _engine_main(argv: list[str], socket_path: str) -> None:
     except Exception:
         log.exception("failed")
         ok = False
-    sys.exit(0 if ok else 1)
+    _exit(ok)
 
 
 def _serve_metrics(address: str) -> None:
@@ -622,7 +623,15 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:
         log.exception("failed")
         ok = False
-    sys.exit(0 if ok else 1)
+    _exit(ok)
+
+
+def _exit(ok: bool) -> None:
+    """Exit now that all is stopped, said and logged: the interpreter's teardown (torch's) would take seconds."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
