@@ -102,6 +102,11 @@ class RequestQueue(ABC):
         """
 
 
+# Timeouts here and everywhere are `asyncio.timeout`, never `asyncio.wait_for`: on Python 3.11, wait_for
+# swallows a cancellation that arrives as the awaited thing completes (gh-86296, fixed in 3.12), and a loop
+# around it then never ends; a drain or a stop that cancels that loop waited for ever.
+
+
 class HandedRequests(RequestQueue):
     """A request queue whose requests are handed to it in this process (`arrived`), as a list offered most
     urgent first: the in-process bus's queue, and a child process's queue on it (bus/local.py)."""
@@ -121,7 +126,8 @@ class HandedRequests(RequestQueue):
             return taken
         self._arrived.clear()
         try:
-            await asyncio.wait_for(self._arrived.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._arrived.wait()
         except TimeoutError:
             return []
         return offer(self._waiting, accept, self._aging_s)

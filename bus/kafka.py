@@ -340,7 +340,8 @@ class KafkaBus(Bus):
         message: with the brokers away it would wait for ever.
         """
         try:
-            await asyncio.wait_for(producer.flush(), self._settings.publish_timeout_s)
+            async with asyncio.timeout(self._settings.publish_timeout_s):
+                await producer.flush()
         except TimeoutError:
             log.warning("kafka_unsent_messages_dropped")
             sender = producer._sender.sender_task  # stop() returns once the sender ends (or all is flushed)
@@ -405,7 +406,8 @@ class KafkaBus(Bus):
         producer = self._producer
         assert producer is not None
         try:
-            await asyncio.wait_for(producer.send_and_wait(topic, encode(message)), self._settings.publish_timeout_s)
+            async with asyncio.timeout(self._settings.publish_timeout_s):
+                await producer.send_and_wait(topic, encode(message))
         except UnknownTopicOrPartitionError:
             raise UnknownTopic(topic) from None
         except (KafkaError, TimeoutError) as error:

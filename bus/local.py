@@ -177,7 +177,8 @@ class _Child:
         asked = self._metrics[ident] = asyncio.get_running_loop().create_future()
         _write(self._writer, _METRICS_ASKED, ident, b"")
         await self._writer.drain()
-        return await asyncio.wait_for(asked, 5.0)
+        async with asyncio.timeout(5.0):
+            return await asked
 
     async def close(self) -> None:
         for closing, task in [*self._listeners.values(), *self._queues.values()]:

@@ -120,7 +120,8 @@ class Dispatcher:
         """Send held requests, most urgent first, whenever reports show room (or a wait for a cache ends)."""
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), _RETRY_S if self._held else None)
+                async with asyncio.timeout(_RETRY_S if self._held else None):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

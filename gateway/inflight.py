@@ -79,7 +79,8 @@ class InFlight:
         while not self.finished:
             remaining = self.request.deadline + DEADLINE_GRACE_S - time.time()
             try:
-                event = await asyncio.wait_for(self._events.get(), max(remaining, 0.0))
+                async with asyncio.timeout(max(remaining, 0.0)):
+                    event = await self._events.get()
                 self.worker_ended = event.finish_reason is not None or event.error is not None
                 self.finished = self.worker_ended
             except TimeoutError:

@@ -322,7 +322,8 @@ class GatewayService:
         answer = self._stop_answers[question.question_id] = asyncio.get_running_loop().create_future()
         try:
             await self._bus.publish(self._control_topic, question)
-            return await asyncio.wait_for(answer, STOP_ANSWER_TIMEOUT_S) > 0
+            async with asyncio.timeout(STOP_ANSWER_TIMEOUT_S):
+                return await answer > 0
         except TimeoutError:
             return False
         except (BusUnavailable, UnknownTopic) as error:

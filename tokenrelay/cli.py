@@ -526,14 +526,23 @@ async def _run(
     finally:
         if server is not None:
             server.should_exit = True
-        for task in tasks:
-            if task.get_name() != "http":
-                task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(worker.stop() for worker in workers))
-        await bus.close()
+        stopping = asyncio.create_task(_stop(bus, workers, tasks))
+        if not (await asyncio.wait({stopping}, timeout=_STOP_TIMEOUT_S))[0]:
+            # Exit anyway (the gateways fail over what a worker still held), and say what did not stop.
+            stuck = {t.get_name(): repr(t.get_stack(limit=4)) for t in asyncio.all_tasks() if not t.done()}
+            log.error("stop_stuck", seconds=_STOP_TIMEOUT_S, tasks=stuck)
+            _exit(not failed)
         log.info("stopped")
     return not failed
+
+
+async def _stop(bus: Bus, workers: list[Worker | EngineProcess], tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        if task.get_name() != "http":
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(worker.stop() for worker in workers))
+    await bus.close()
 
 
 async def _drain(
@@ -584,6 +593,9 @@ def _engine_main(argv: list[str], socket_path: str) -> None:
         log.exception("failed")
         ok = False
     _exit(ok)
+
+
+_STOP_TIMEOUT_S = 15.0  # after a drain: stopping takes a second or two (an engine process's 10 s kill at most)
 
 
 def _serve_metrics(address: str) -> None:

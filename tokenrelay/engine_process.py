@@ -72,7 +72,8 @@ class EngineProcess:
         self._drained = True
         await self._server.ask_to_stop()
         try:
-            await asyncio.wait_for(self._ended.wait(), timeout_s + _STOP_WAIT_S)
+            async with asyncio.timeout(timeout_s + _STOP_WAIT_S):
+                await self._ended.wait()
         except TimeoutError:
             log.warning("engine_process_not_drained", pid=self._process.pid)
             return
@@ -88,7 +89,8 @@ class EngineProcess:
         if not self._ended.is_set():
             await self._server.ask_to_stop()  # ...the second one stops it at once
             try:
-                await asyncio.wait_for(self._ended.wait(), _STOP_WAIT_S)
+                async with asyncio.timeout(_STOP_WAIT_S):
+                    await self._ended.wait()
             except TimeoutError:
                 self._process.kill()
                 log.warning("engine_process_killed", pid=self._process.pid)

@@ -75,7 +75,8 @@ class LoadReporter:
     async def run(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+                async with asyncio.timeout(self._interval_s):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
             self._changed.clear()
