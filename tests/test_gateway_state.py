@@ -105,6 +105,17 @@ def test_a_request_its_live_worker_stops_listing_is_lost_after_two_heartbeats():
     assert registry.observe(_heartbeat("w1", ["m"])) == [inflight]
 
 
+def test_what_a_draining_worker_hands_back_is_lost_at_once_and_only_its_current_attempt():
+    registry = InFlightRegistry()
+    waiting, running = registry.open(_request("waiting"), "w"), registry.open(_request("running", attempt=1), "r")
+    registry.observe(_heartbeat("w1", ["m"], requests={"waiting": 0, "running": 1}))
+    heartbeat = _heartbeat("w1", ["m"], requests={"running": 1}).model_copy(
+        update={"handed_back": {"waiting": 0, "running": 0, "unknown": 0}}  # an older attempt of "running"
+    )
+    assert registry.handed_back(heartbeat) == [waiting]  # no second heartbeat to wait for
+    assert running.worker_id == "w1" and not running.finished
+
+
 async def test_a_request_nobody_answers_ends_with_a_timeout_after_its_deadline():
     registry = InFlightRegistry()
     inflight = registry.open(_request("a", timeout_s=0.2), "a")

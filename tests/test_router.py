@@ -71,6 +71,19 @@ def test_the_worker_with_room_that_holds_most_of_the_prompt_wins_and_the_load_br
     assert router.choose("other model", 5, hashes) is None
 
 
+def test_a_draining_worker_gets_nothing_more_even_holding_the_whole_prompt():
+    router = Router("replies")
+    request = _request("p" * 2048)
+    hashes = prefix_hashes(request)
+    router.observe(_load("warm", prefixes=hashes))
+    router.observe(_load("cold", running=3))
+    assert router.choose("m", 5, hashes).worker_id == "warm"
+    router.observe(_load("warm", prefixes=hashes, draining=True))
+    assert router.choose("m", 5, hashes).worker_id == "cold"
+    router.observe(_load("cold", running=3, draining=True))
+    assert router.choose("m", 5, hashes) is None and not router.knows("m")  # to the shared topics, then
+
+
 def test_a_full_worker_has_room_for_a_more_urgent_request_it_would_preempt_for():
     router = Router("replies")
     router.observe(_load("w", running=4, capacity=4, waiting=1, running_by_priority=[0, 0, 1, 0, 3]))
