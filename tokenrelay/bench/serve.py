@@ -131,18 +131,9 @@ def load_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=httpx.Limits(max_connections=None))
 
 
-async def run_load(
-    base: str,
-    model: str,
-    endpoint: str,
-    requests: list[Request],
-    concurrency: int,
-    rate: float,
-    seed: int,
-    progress: str = "",
-) -> dict:
-    """Send the workload; the measured figures."""
-    return summarize(*await send_load(base, model, endpoint, requests, concurrency, rate, seed, progress))
+async def run_load(*args, **kwargs) -> dict:
+    """Send the workload (send_load's arguments); the measured figures."""
+    return summarize(*await send_load(*args, **kwargs))
 
 
 async def send_load(
