@@ -31,18 +31,20 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
-from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LogitsProcessor, LogitsProcessorList
 
-from schemas.messages import GenerationRequest, SamplingParams
 from tokenrelay.bench import plots
-from tokenrelay.bench.decode_step import sync, time_decode_steps
 from workers.bundled import BUNDLED_MODEL
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.model_loader import KVGeometry, LoadedModel, load_model, random_model
+
+# torch, transformers and the engine are imported where they are used, so that `--help` answers at once.
+if TYPE_CHECKING:
+    import torch
+
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+    from workers.engine.model_loader import LoadedModel
 
 # Randomly initialised Llamas for GPU timing without weights, with the bundled tokenizer's vocabulary:
 # ~1.1 B parameters (TinyLlama's shape), and Llama-3-8B's shape (7.5 B with this vocabulary).
@@ -133,12 +135,16 @@ def _result(
 
 def _release(device: torch.device) -> None:
     """Give back what a finished run held (an engine's KV cache and graphs), before the next one sizes its own."""
+    import torch
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[Request]) -> Result:
+    from workers.engine.engine import Engine
+
     events: queue.SimpleQueue = queue.SimpleQueue()
     engine = Engine(loaded, config, lambda batch: events.put((time.perf_counter(), batch)))
     engine.start()
@@ -155,6 +161,8 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[Request
 
 
 def _engine_pass(engine: Engine, events: queue.SimpleQueue, requests: list[Request], ids: list[str] | None = None):
+    from schemas.messages import GenerationRequest, SamplingParams
+
     ids = ids or [uuid.uuid4().hex for _ in requests]
     now = time.time()
     for request_id, request in zip(ids, requests, strict=True):
@@ -184,8 +192,9 @@ def _engine_pass(engine: Engine, events: queue.SimpleQueue, requests: list[Reque
     return first, last
 
 
-class _StepClock(LogitsProcessor):
-    """Records when `generate` draws each token: step i's time is token i's for the whole batch."""
+class _StepClock:
+    """Records when `generate` draws each token: step i's time is token i's for the whole batch. A logits
+    processor: transformers calls any callable of (input_ids, scores) in a LogitsProcessorList."""
 
     def __init__(self, loaded: LoadedModel, deadline: float) -> None:
         self.loaded = loaded
@@ -193,6 +202,8 @@ class _StepClock(LogitsProcessor):
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores):
+        from tokenrelay.bench.decode_step import sync
+
         sync(self.loaded.device)
         self.times.append(time.perf_counter())
         if self.times[-1] > self.deadline:
@@ -202,6 +213,9 @@ class _StepClock(LogitsProcessor):
 
 def _generate(loaded: LoadedModel, batch: list[Request], pad: int, clock: _StepClock) -> None:
     """Greedy `generate` of a left-padded batch for as long as its longest request; `clock` times its steps."""
+    import torch
+    from transformers import GenerationConfig, LogitsProcessorList
+
     length = max(len(r.prompt) for r in batch)
     ids = torch.full((len(batch), length), pad, device=loaded.device)
     mask = torch.zeros((len(batch), length), dtype=torch.long, device=loaded.device)
@@ -250,6 +264,10 @@ def run_transformers_continuous(
 ) -> Result:
     """Finished requests only count: transformers reports a request's tokens when it ends. `kv_cache_bytes`:
     the engine's KV budget, given to transformers too (None: transformers sizes its cache itself)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from workers.engine.model_loader import KVGeometry
+
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=loaded.tokenizer.pad_token_id or 0)
     batching = ContinuousBatchingConfig()
     if kv_cache_bytes is not None:  # else, on a CPU, it takes most of the free memory, which takes seconds
@@ -367,6 +385,13 @@ def main(argv: list[str] | None = None) -> None:
         help="write a PNG of each method's tokens/s and TTFT: this .png file, or engine.png in this directory",
     )
     args = parser.parse_args(argv)
+
+    import torch
+    from transformers import LlamaConfig
+
+    from tokenrelay.bench.decode_step import time_decode_steps
+    from workers.engine.config import EngineConfig
+    from workers.engine.model_loader import load_model, random_model
 
     if args.random_llama_1b or args.random_llama_8b:
         base = load_model(str(BUNDLED_MODEL), "cpu")

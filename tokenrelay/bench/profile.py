@@ -14,21 +14,22 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from schemas.messages import SamplingParams
-from tokenrelay.bench.decode_step import decode_layout, median_step_ms
 from workers.bundled import BUNDLED_MODEL
-from workers.engine.config import EngineConfig
-from workers.engine.model_loader import load_model
-from workers.engine.model_runner import ModelRunner, StepLayout
-from workers.engine.sampler import Draw, DrawBatch
 from workers.simulated.profile import Profile, StepCost
+
+# torch and the engine are imported where they are used, so that `--help` answers at once.
+if TYPE_CHECKING:
+    import torch
+
+    from workers.engine.model_runner import ModelRunner, StepLayout
 
 
 def prompt_layout(tokens: int, block_size: int, vocab: int) -> StepLayout:
     """One prompt of `tokens` tokens in fresh blocks, computed in one chunk."""
+    from workers.engine.model_runner import StepLayout
+
     blocks = -(-tokens // block_size)
     ids = [(7 * i) % vocab for i in range(tokens)]
     return StepLayout(
@@ -38,6 +39,10 @@ def prompt_layout(tokens: int, block_size: int, vocab: int) -> StepLayout:
 
 def measure(runner: ModelRunner, device: torch.device, repeats: int) -> list[tuple[int, int, int, float]]:
     """(prefill tokens, decoding sequences, context tokens, seconds) per step shape measured."""
+    from schemas.messages import SamplingParams
+    from tokenrelay.bench.decode_step import decode_layout, median_step_ms
+    from workers.engine.sampler import Draw, DrawBatch
+
     vocab = runner.head.vocab_size
     shapes = [
         (decode_layout([c] * b, runner.block_size, vocab), 0, b, b * c) for b in (1, 8, 32, 64) for c in (128, 1024)
@@ -55,6 +60,8 @@ def measure(runner: ModelRunner, device: torch.device, repeats: int) -> list[tup
 
 
 def fit(rows: list[tuple[int, int, int, float]]) -> StepCost:
+    import torch
+
     features = torch.tensor([[1.0, p, d, c] for p, d, c, _ in rows], dtype=torch.float64)
     seconds = torch.tensor([[s] for *_, s in rows], dtype=torch.float64)
     # Relative error counts, not absolute: weigh each step by its own time.
@@ -71,6 +78,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default="", help="where to write the profile (JSON); empty: stdout only")
     args = parser.parse_args(argv)
+
+    import torch
+
+    from workers.engine.config import EngineConfig
+    from workers.engine.model_loader import load_model
+    from workers.engine.model_runner import ModelRunner
+
     loaded = load_model(args.model, args.device)
     config = EngineConfig().for_device(loaded.device.type)
     runner = ModelRunner(loaded, config)
