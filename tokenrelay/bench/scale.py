@@ -39,16 +39,20 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
-from bus.kafka import KafkaBus, KafkaSettings
 from bus.topics import routing_topic
-from schemas.messages import WorkerLoad
 from tokenrelay.bench import plots
 from tokenrelay.bench.serve import Outcome, Request, load_client, one_stream, percentiles, sse
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 from workers.simulated.profile import Profile, StepCost
+
+# The Kafka client and the messages' schemas are imported where they are used, so that `--help` answers at once.
+if TYPE_CHECKING:
+    from bus.kafka import KafkaBus
+    from schemas.messages import WorkerLoad
 
 MODEL = "sim"
 _WORDS = [f"{a}{b}{c}" for a in "bcdfgklmnprst" for b in "aeiou" for c in "lmnrst"]
@@ -76,6 +80,8 @@ class FleetWatch:
         self.worker_s = 0.0
 
     async def follow(self, bus: KafkaBus, topic: str) -> None:
+        from schemas.messages import WorkerLoad
+
         listener = await bus.listen(topic, replay_s=5.0)
         try:
             async for message in listener:
@@ -149,6 +155,8 @@ def fleet(
 
 
 async def _watching(bootstrap: str, prefix: str, bases: list[str], workers: int):
+    from bus.kafka import KafkaBus, KafkaSettings
+
     bus = KafkaBus(KafkaSettings(bootstrap_servers=bootstrap), client_id="bench-scale")
     await bus.start()
     watch = FleetWatch(bases)

@@ -35,7 +35,6 @@ from pathlib import Path
 import httpx
 import websockets
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from tokenrelay.bench import plots
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
@@ -59,6 +58,8 @@ class Outcome:
 
 def workload(count: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], seed: int) -> list[Request]:
     """Prompts of random token ids of the bundled tokenizer, as text; output lengths drawn per request."""
+    from transformers import AutoTokenizer  # here, not above: transformers takes seconds to import
+
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
     special = set(tokenizer.all_special_ids)
