@@ -1,0 +1,48 @@
+"""Every benchmark's `--help` answers without importing torch, transformers, the Kafka client or matplotlib.
+
+Those take seconds to import (torch alone 3 to 10 s on a small machine); a benchmark imports them once its
+arguments are parsed. Checked by the modules a fresh interpreter holds after each `--help`, not by a clock.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+BENCHMARKS = ("engine", "serve", "chaos", "rolling", "scale", "priority", "profile")
+HEAVY = ("torch", "transformers", "aiokafka", "matplotlib")
+
+# For each benchmark in turn, in one interpreter: its --help's exit status and first line, and the heavy
+# modules imported so far (the first benchmark to import one is the one whose list is not empty).
+SCRIPT = """
+import contextlib, importlib, io, json, sys
+seen = {}
+for name in sys.argv[1].split(","):
+    module = importlib.import_module(f"tokenrelay.bench.{name}")
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        try:
+            module.main(["--help"])
+            status = None
+        except SystemExit as exit:
+            status = exit.code
+    heavy = sorted(m for m in sys.argv[2].split(",") if m in sys.modules)
+    seen[name] = {"status": status, "usage": shown.getvalue().split("\\n")[0], "heavy": heavy}
+print(json.dumps(seen))
+"""
+
+
+def test_every_benchmarks_help_imports_nothing_heavy():
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, ",".join(BENCHMARKS), ",".join(HEAVY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in BENCHMARKS:
+        assert seen[name]["status"] == 0, (name, seen[name])
+        assert seen[name]["usage"].startswith(f"usage: tokenrelay bench {name}"), (name, seen[name])
+        assert seen[name]["heavy"] == [], f"`bench {name} --help` imported {seen[name]['heavy']}"
