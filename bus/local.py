@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
@@ -52,21 +53,30 @@ def _take_all(_: Delivery) -> bool:
 
 
 class LocalBusServer:
-    """Serves `bus` to the processes that connect to the Unix socket at `path`."""
+    """Serves `bus` to the processes that connect to the Unix socket at `path`.
+
+    It listens from its creation, before any event loop runs: a child started
+    at once (its model loading while this process builds the rest) may
+    connect before start(), and waits in the backlog until then.
+    """
 
     def __init__(self, bus: Bus, path: str) -> None:
         self._bus = bus
-        self._path = path
+        self._listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listening.bind(path)
+        self._listening.listen()
         self._server: asyncio.Server | None = None
         self._children: set[_Child] = set()
         self.connected = asyncio.Event()  # a child has connected
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, self._path)
+        self._server = await asyncio.start_unix_server(self._serve, sock=self._listening)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        else:
+            self._listening.close()
         for child in list(self._children):
             await child.close()
 

@@ -15,52 +15,16 @@ the command line wins.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import functools
 import importlib
-import logging
 import os
-import signal
-import socket
-import ssl
 import sys
-import uuid
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-import prometheus_client
-import structlog
-import uvicorn
-
-from bus.base import Bus
-from bus.inprocess import InProcessBus
-from bus.kafka import KafkaBus, KafkaSettings
-from bus.local import LocalBus
-from gateway.api_keys import load_keys
-from gateway.app import create_app
-from gateway.media import MediaLoader, MediaPolicy
-from gateway.service import GatewayService, GatewaySettings
-from tokenrelay import logs, topology
-from tokenrelay.engine_process import EngineProcess, ignore_signals
-from workers.bundled import (
-    BUNDLED_MODEL,
-    BUNDLED_MODEL_NAME,
-    BUNDLED_VISION_MODEL,
-    BUNDLED_VISION_MODEL_NAME,
-    DTYPE_NAMES,
-)
+from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL_NAME, DTYPE_NAMES
 from workers.simulated.profile import names as simulation_profiles
 
-if TYPE_CHECKING:
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Model
-    from workers.worker import Worker
-
-# torch and transformers are imported only where a model runs (serve, worker,
-# bench engine): a gateway starts in a second instead of fifteen.
-log = structlog.get_logger("tokenrelay")
+# Only the parser is built here: what each command runs (tokenrelay/launch.py and the modules it
+# imports: uvicorn, FastAPI, aiokafka, torch) is imported once the command line is parsed, so
+# `--help` answers at once.
 
 
 def _env_name(flag: str) -> str:
@@ -357,254 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
-    settings = KafkaSettings(
-        bootstrap_servers=args.kafka_bootstrap,
-        replication_factor=args.kafka_replication_factor,
-        session_timeout_ms=args.kafka_session_timeout_ms,
-        heartbeat_interval_ms=args.kafka_heartbeat_interval_ms,
-        max_poll_interval_ms=args.kafka_max_poll_interval_ms,
-        publish_timeout_s=args.kafka_publish_timeout,
-        max_message_bytes=args.max_message_bytes,
-    )
-    return KafkaBus(settings, client_id=client_id)
-
-
-def _worker(args: argparse.Namespace, bus: Bus, worker_id: str) -> Worker:
-    from workers.worker import Worker, WorkerSettings
-
-    settings = WorkerSettings(
-        worker_id=worker_id,
-        topic_prefix=args.topic_prefix,
-        partitions=args.partitions,
-        heartbeat_interval_s=args.heartbeat_interval,
-    )
-    model, config, names = engine_parts(args)
-    return Worker(bus, model, config, names, settings)
-
-
-def engine_parts(args: argparse.Namespace) -> tuple[Model, EngineConfig, list[str]]:
-    """What a worker's engine runs, as a worker's flags say: the model (loaded), its config, its served names."""
-    from workers.engine.config import EngineConfig
-
-    config = EngineConfig(
-        max_batch_size=args.max_batch_size or None,
-        max_seq_len=args.max_seq_len,
-        max_input_len=args.max_input_len,
-        max_iter_times=args.max_iter_times,
-        max_tokens_per_step=args.max_tokens_per_step or None,
-        block_size=args.block_size,
-        kv_cache_bytes=int(args.kv_cache_memory * 2**30) or None,
-        gpu_memory_fraction=args.gpu_memory_fraction,
-        cuda_graphs=not args.no_cuda_graphs,
-        aging_s=args.priority_aging,
-    )
-    if args.simulate:
-        from workers.simulated.model import SimulatedModel
-        from workers.simulated.profile import Profile
-
-        model = SimulatedModel(Profile.load(args.simulate))
-        return model, model.engine_config(config), args.served_model_name or [model.profile.name]
-    from workers.engine.model_loader import load_model
-
-    path, name = args.model, args.model
-    if args.model == str(BUNDLED_MODEL):
-        path, name = (BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME) if args.vision else (path, BUNDLED_MODEL_NAME)
-    return load_model(str(path), args.device, args.dtype or None), config, args.served_model_name or [name]
-
-
-def _worker_id(args: argparse.Namespace) -> str:
-    return args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-
-
-def _http_server(
-    args: argparse.Namespace, bus: Bus, more_metrics: Callable[[], Awaitable[bytes]] | None = None
-) -> _Server:
-    settings = GatewaySettings(
-        topic_prefix=args.topic_prefix,
-        gateway_id=args.gateway_id,
-        default_model=args.default_model,
-        full_text=args.full_text_enabled,
-        max_in_flight=args.max_in_flight,
-        route=not args.no_router,
-    )
-    media = MediaLoader(
-        MediaPolicy(
-            media_dir=Path(args.media_dir),
-            allowed_domains=MediaPolicy.parse_domains(args.allowed_media_domains),
-        )
-    )
-    service = GatewayService(bus, settings)
-    app = create_app(
-        service,
-        media,
-        max_request_bytes=args.max_request_length * 1024 * 1024,
-        api_keys=load_keys(args.api_keys, args.api_keys_file),
-        more_metrics=more_metrics,
-    )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_config=None,
-        access_log=False,
-        ws_ping_interval=20.0,  # WebSocket clients are pinged; one silent for 20 s more is closed
-        ws_ping_timeout=20.0,
-        timeout_graceful_shutdown=5.0,  # after the drain: only idle connections are left to close
-        **_tls(args),
-    )
-    return _Server(config, service)
-
-
-def _tls(args: argparse.Namespace) -> dict:
-    """uvicorn's TLS settings: https with --tls-cert/--tls-key; client certificates required with --tls-ca."""
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise SystemExit("--tls-cert and --tls-key go together")
-    if args.tls_ca and not args.tls_cert:
-        raise SystemExit("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
-    if not args.tls_cert:
-        return {}
-    tls = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
-    if args.tls_ca:
-        tls |= {"ssl_ca_certs": args.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    return tls
-
-
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gateway: GatewayService) -> None:
-        super().__init__(config)
-        self.gateway = gateway
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        # This process handles SIGINT/SIGTERM itself (see _run), so that it can
-        # stop the worker too; uvicorn would re-raise them after its own stop.
-        yield
-
-
-async def _run(
-    bus: Bus,
-    server: _Server | None,
-    workers: list[Worker | EngineProcess],
-    drain_timeout_s: float,
-    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
-    started: Callable[[], None] | None = None,
-) -> bool:
-    """Run the parts until a signal, or until one of them ends; then stop them all.
-
-    A first signal drains them first (at most `drain_timeout_s`), a second one cuts that short.
-    `started()` is called once the workers have started. Returns False when a part failed.
-    """
-    failed = False
-    stopping, hurry = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def stop_asked() -> None:
-        (hurry if stopping.is_set() else stopping).set()
-
-    for sig in signals:
-        loop.add_signal_handler(sig, stop_asked)
-    if isinstance(bus, LocalBus):  # serve's engine process: its serve process asks, not a signal
-        bus.stop_asked = stop_asked
-    await bus.start()
-    tasks = [asyncio.create_task(stopping.wait(), name="signal")]
-    try:
-        await asyncio.gather(*(worker.start() for worker in workers))
-        if started is not None:
-            started()
-        tasks += [asyncio.create_task(worker.run(), name="worker") for worker in workers]
-        if server is not None:
-            tasks.append(asyncio.create_task(server.serve(), name="http"))
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            if task.get_name() != "signal":  # a part that ends by itself has failed
-                failed = True
-                log.error("part_failed", part=task.get_name(), error=repr(task.exception()))
-        if not failed:
-            parts = [task for task in tasks if task.get_name() != "signal"]
-            failed = not await _drain(server.gateway if server else None, workers, drain_timeout_s, hurry, parts)
-    finally:
-        if server is not None:
-            server.should_exit = True
-        stopping = asyncio.create_task(_stop(bus, workers, tasks))
-        if not (await asyncio.wait({stopping}, timeout=_STOP_TIMEOUT_S))[0]:
-            # Exit anyway (the gateways fail over what a worker still held), and say what did not stop.
-            stuck = {t.get_name(): repr(t.get_stack(limit=4)) for t in asyncio.all_tasks() if not t.done()}
-            log.error("stop_stuck", seconds=_STOP_TIMEOUT_S, tasks=stuck)
-            _exit(not failed)
-        log.info("stopped")
-    return not failed
-
-
-async def _stop(bus: Bus, workers: list[Worker | EngineProcess], tasks: list[asyncio.Task]) -> None:
-    for task in tasks:
-        if task.get_name() != "http":
-            task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.gather(*(worker.stop() for worker in workers))
-    await bus.close()
-
-
-async def _drain(
-    gateway: GatewayService | None,
-    workers: list[Worker | EngineProcess],
-    timeout_s: float,
-    hurry: asyncio.Event,
-    parts: list[asyncio.Task],
-) -> bool:
-    """Refuse new requests, let those in flight end; cut short by a second signal. False if a part failed meanwhile."""
-    if gateway is not None:
-        gateway.start_draining()
-    drains = [worker.drain(timeout_s) for worker in workers] + ([gateway.drained(timeout_s)] if gateway else [])
-    draining = asyncio.ensure_future(asyncio.gather(*drains))
-    hurried = asyncio.create_task(hurry.wait())
-    try:
-        done, _ = await asyncio.wait([draining, hurried, *parts], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        hurried.cancel()
-        draining.cancel()
-        await asyncio.gather(draining, hurried, return_exceptions=True)
-    failed = [task for task in done if task in parts]
-    for task in failed:
-        log.error("part_failed", part=task.get_name(), error=repr(task.exception()))
-    if draining in done and draining.exception() is not None:
-        log.error("drain_failed", error=repr(draining.exception()))
-        return False
-    return not failed
-
-
-def _engine_main(argv: list[str], socket_path: str) -> None:
-    """The engine process of `tokenrelay serve ARGV` (tokenrelay/engine_process.py): its worker, on the serve
-    process's bus at `socket_path`."""
-    ignore_signals()
-    args = build_parser().parse_args(argv)
-    logs.configure(args.log_level, process="engine")
-    for collector in (
-        prometheus_client.PROCESS_COLLECTOR,
-        prometheus_client.PLATFORM_COLLECTOR,
-        prometheus_client.GC_COLLECTOR,
-    ):
-        prometheus_client.REGISTRY.unregister(collector)  # the serve process's own report these
-    bus = LocalBus(socket_path, prometheus_client.generate_latest, args.max_message_bytes, on_lost=lambda: os._exit(1))
-    try:
-        worker = _worker(args, bus, _worker_id(args))
-        ok = asyncio.run(_run(bus, None, [worker], args.drain_timeout, signals=()))
-    except Exception:
-        log.exception("failed")
-        ok = False
-    _exit(ok)
-
-
-_STOP_TIMEOUT_S = 15.0  # after a drain: stopping takes a second or two (an engine process's 10 s kill at most)
-
-
-def _serve_metrics(address: str) -> None:
-    host, _, port = address.rpartition(":")
-    prometheus_client.start_http_server(int(port), addr=host or "0.0.0.0")
-
-
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from tokenrelay import logs  # after parsing: --help needs none of what follows
+
     if args.command == "bench":
         logs.configure("warning", process="bench")
         module = f"tokenrelay.bench.{args.benchmark}"
@@ -612,38 +332,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     logs.configure(args.log_level, process=args.command)
     if args.command == "up":
+        from tokenrelay import topology
+
         sys.exit(topology.up(args))
-    if args.command == "serve":
-        bus: Bus = InProcessBus(args.max_message_bytes)
-        engine = EngineProcess(bus, _engine_main, sys.argv[1:] if argv is None else argv)
-        parts = (_http_server(args, bus, engine.metrics), [engine])
-    elif args.command == "gateway":
-        bus = _kafka_bus(args, client_id=f"gateway-{args.gateway_id or uuid.uuid4().hex[:8]}")
-        parts = (_http_server(args, bus), [])
-    else:
-        bus = _kafka_bus(args, client_id=f"worker-{args.worker_id or os.getpid()}")
-        if args.command == "worker":
-            workers = [_worker(args, bus, _worker_id(args))]
-        else:  # simulate: one bus (producer, admin client) for every worker of the process
-            args.simulate = args.simulate or "bundled-cpu"
-            workers = [_worker(args, bus, f"{_worker_id(args)}-{i}") for i in range(args.workers)]
-        parts = (None, workers)
-    # A worker's /metrics answers once it has loaded its model and joined its group: a readiness probe.
-    started = functools.partial(_serve_metrics, args.metrics_address) if getattr(args, "metrics_address", "") else None
-    try:
-        ok = asyncio.run(_run(bus, *parts, args.drain_timeout, started=started))
-    except Exception:
-        log.exception("failed")
-        ok = False
-    _exit(ok)
+    from tokenrelay.launch import launch
 
-
-def _exit(ok: bool) -> None:
-    """Exit now that all is stopped, said and logged: the interpreter's teardown (torch's) would take seconds."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if ok else 1)
+    launch(args, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import signal
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
 from bus.base import Bus
-from bus.local import LocalBusServer
+from bus.local import LocalBus, LocalBusServer
 
 log = structlog.get_logger(__name__)
 
@@ -29,23 +29,28 @@ _STOP_WAIT_S = 10.0  # after a drain's time, or after the ask to stop at once: t
 
 
 class EngineProcess:
-    """Start, drain and stop the engine process; the same steps `_run` takes with an in-process worker."""
+    """Start, drain and stop the engine process; the same steps lifecycle.run takes with an in-process worker."""
 
-    def __init__(self, bus: Bus, main: Callable[[list[str], str], None], argv: list[str]) -> None:
-        """`main(argv, socket_path)` runs in the new process: a worker on the bus at that socket."""
+    def __init__(self, bus: Bus, argv: list[str]) -> None:
+        """The new process runs `engine_main(argv, socket_path)`: a worker on the bus at that socket."""
         self._directory = tempfile.TemporaryDirectory(prefix="tokenrelay-serve-")
         self._socket = str(Path(self._directory.name) / "bus.sock")
         self._server = LocalBusServer(bus, self._socket)
         self._process = multiprocessing.get_context("spawn").Process(
-            target=main, args=(argv, self._socket), name="tokenrelay-engine"
+            target=engine_main, args=(argv, self._socket), name="tokenrelay-engine"
         )
         self._ended = asyncio.Event()
         self._drained = False  # sent the SIGTERM that drains it
 
+    def spawn(self) -> None:
+        """Start the process now, before any event loop: its model loads while this process builds the rest."""
+        self._process.start()
+
     async def start(self) -> None:
         """Once its worker has connected, which it does when its model has loaded."""
+        if self._process.pid is None:
+            self.spawn()
         await self._server.start()
-        self._process.start()
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_exit)
         connected = asyncio.create_task(self._server.connected.wait())
         ended = asyncio.create_task(self._ended.wait())
@@ -103,8 +108,35 @@ class EngineProcess:
         return await self._server.metrics()
 
 
-def ignore_signals() -> None:
-    """In the engine process: Ctrl-C (and a SIGTERM to the process group) is for the serve process, which asks
-    this one to drain when its own drain begins."""
+def engine_main(argv: list[str], socket_path: str) -> None:
+    """The engine process of `tokenrelay serve ARGV`: its worker, on the serve process's bus at `socket_path`."""
+    # Ctrl-C (and a SIGTERM to the process group) is for the serve process, which asks this one to drain
+    # when its own drain begins.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import prometheus_client
+
+    from tokenrelay import lifecycle, logs
+    from tokenrelay.cli import build_parser
+    from tokenrelay.worker_parts import build_worker, worker_id
+
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level, process="engine")
+    for collector in (
+        prometheus_client.PROCESS_COLLECTOR,
+        prometheus_client.PLATFORM_COLLECTOR,
+        prometheus_client.GC_COLLECTOR,
+    ):
+        prometheus_client.REGISTRY.unregister(collector)  # the serve process's own report these
+    bus = LocalBus(socket_path, prometheus_client.generate_latest, args.max_message_bytes, on_lost=lambda: os._exit(1))
+
+    def asks_to_stop(stop_asked) -> None:  # the serve process asks, over the socket
+        bus.stop_asked = stop_asked
+
+    try:
+        worker = build_worker(args, bus, worker_id(args))
+        ok = asyncio.run(lifecycle.run(bus, None, [worker], args.drain_timeout, asks_to_stop=asks_to_stop))
+    except Exception:
+        log.exception("failed")
+        ok = False
+    lifecycle.exit_now(ok)

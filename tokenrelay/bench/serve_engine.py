@@ -16,7 +16,8 @@ import uuid
 
 from schemas.messages import GenerationRequest, SamplingParams, TokenEvent
 from tokenrelay.bench.serve import Outcome, Request
-from tokenrelay.cli import build_parser, engine_parts
+from tokenrelay.cli import build_parser
+from tokenrelay.worker_parts import engine_parts
 from workers.engine.engine import Engine
 
 

@@ -10,14 +10,11 @@ import copy
 import ctypes
 from dataclasses import dataclass
 
-import structlog
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from workers.bundled import DTYPE_NAMES
-
-log = structlog.get_logger(__name__)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
@@ -93,6 +90,9 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None) -> Loa
     chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
     transformers.utils.logging.disable_progress_bar()  # our logs are JSON lines
     if _is_vision(AutoConfig.from_pretrained(path)):
+        # Here only: AutoProcessor imports torchvision and with it torch._dynamo, 5 s on a small CPU.
+        from transformers import AutoProcessor
+
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=chosen).to(target).eval()
         return _loaded(model, processor.tokenizer, target, str(path), processor)
@@ -140,7 +140,6 @@ def _loaded(model, tokenizer, device: torch.device, source: str, processor=None)
     eos = model.generation_config.eos_token_id if model.generation_config else None
     if eos is None:
         eos = tokenizer.eos_token_id
-    log.info("model_loaded", source=source, device=str(device), dtype=str(model.dtype), vocab_size=config.vocab_size)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
