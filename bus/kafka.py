@@ -14,12 +14,14 @@ that the requests of a worker that dies are delivered again to another one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     CommitFailedError,
@@ -70,6 +72,46 @@ class KafkaSettings:
 _RECORD_OVERHEAD = 64 * 1024  # a record's key, headers and batch framing around the message
 # Errors after which an idempotent producer can no longer write to a partition: replaced (see _replace_producer).
 _PRODUCER_BROKEN = (OutOfOrderSequenceNumber, UnknownProducerId, ProducerFenced)
+
+
+async def check_bootstrap(servers: str, timeout_s: float = 5.0) -> None:
+    """Raise BusUnavailable, naming each address and why, unless a Kafka broker answers at one of `servers`.
+
+    A process checks this before it loads a model or listens: aiokafka would
+    retry an address that refuses for as long as it is asked to, saying only
+    that it cannot bootstrap.
+    """
+    addresses = [server.strip() for server in servers.split(",") if server.strip()]
+    if not addresses:
+        raise BusUnavailable("no Kafka address given (--kafka-bootstrap is empty)")
+
+    async def reason(address: str) -> str | None:
+        host, _, port = address.rpartition(":")
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, writer = await asyncio.open_connection(host or "localhost", int(port))
+        except TimeoutError:
+            return f"{address}: no answer in {timeout_s:g} s"
+        except (OSError, ValueError) as error:
+            return f"{address}: {getattr(error, 'strerror', None) or error}"
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return None
+
+    reasons = await asyncio.gather(*(reason(address) for address in addresses))
+    if all(reasons):
+        raise BusUnavailable(f"cannot reach Kafka at {'; '.join(reasons)}")
+    client = AIOKafkaClient(bootstrap_servers=servers, request_timeout_ms=int(timeout_s * 1000))
+    quiet = logging.getLogger("aiokafka")
+    level, quiet.level = quiet.level, logging.CRITICAL  # its line would say less than ours
+    try:
+        await client.bootstrap()
+    except KafkaError as error:
+        raise BusUnavailable(f"no Kafka broker answers at {servers}: {error}") from None
+    finally:
+        quiet.setLevel(level)
+        await client.close()
 
 
 def _decode(record) -> BusMessage | None:
@@ -284,9 +326,14 @@ class KafkaBus(Bus):
         self._admin = AIOKafkaAdminClient(
             bootstrap_servers=self._settings.bootstrap_servers, client_id=f"{self._client_id}-admin"
         )
-        await self._admin.start()
-        self._producer = self._new_producer()
-        await self._producer.start()
+        try:
+            await self._admin.start()
+            self._producer = self._new_producer()
+            await self._producer.start()
+        except KafkaError as error:
+            await self.close()
+            raise BusUnavailable(f"no Kafka broker answers at {self._settings.bootstrap_servers}: {error}") from None
+        log.info("kafka_connected", bootstrap=self._settings.bootstrap_servers)
 
     def _new_producer(self) -> AIOKafkaProducer:
         return AIOKafkaProducer(
