@@ -1,8 +1,11 @@
 """Which models exist and which workers serve them, from the workers' heartbeats.
 
-A name some worker has announced is known (404 otherwise); a known model with
-no live worker is unavailable (503). A worker is live while its heartbeats
-keep coming, each within a few of its announced intervals.
+A name some worker has announced is known (404 otherwise, naming the known
+ones); a known model with no live worker is unavailable (503). Until some
+worker has announced something, no name is known yet and every one is
+unavailable rather than unknown: the workers may still be loading their
+models. A worker is live while its heartbeats keep coming, each within a few
+of its announced intervals.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from gateway.errors import not_found, unavailable
 from schemas.messages import ServedModel, WorkerHeartbeat
 
 MISSED_HEARTBEATS = 3  # how many intervals of silence make a worker dead
@@ -28,6 +32,7 @@ class WorkerDirectory:
     def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
         self._models: dict[str, ServedModel] = {}  # every alias ever announced
+        self._started_at = time.monotonic()
 
     def observe(self, heartbeat: WorkerHeartbeat) -> None:
         if heartbeat.leaving:
@@ -37,9 +42,16 @@ class WorkerDirectory:
         for alias in heartbeat.model.aliases:
             self._models[alias] = heartbeat.model
 
-    def lookup(self, name: str) -> ServedModel | None:
-        """The model clients call `name`, if any worker ever announced it."""
-        return self._models.get(name)
+    def announced(self, name: str) -> ServedModel:
+        """The model clients call `name`; 404 naming the known names if no worker announced it, 503 while none
+        has announced anything yet."""
+        model = self._models.get(name)
+        if model is not None:
+            return model
+        if not self._models:
+            waited_s = time.monotonic() - self._started_at
+            raise unavailable(f"no worker has announced model {name} yet ({waited_s:.0f} s since this gateway started)")
+        raise not_found(f"model {name} is not served here; served: {', '.join(sorted(self._models))}")
 
     def served_names(self) -> list[str]:
         """Every name a live worker answers to, aliases included."""

@@ -221,10 +221,8 @@ class GatewayService:
         raise not_found(f"several models are served ({', '.join(names)}) and no default is set (--default-model)")
 
     def resolve(self, name: str) -> ServedModel:
-        """The served model clients call `name`; 404 if nobody serves it, 503 if nobody does now."""
-        model = self.directory.lookup(name)
-        if model is None:
-            raise not_found(f"model {name} is not served here")
+        """The served model clients call `name`; 404 if nobody serves it, 503 if nobody does now (or has yet)."""
+        model = self.directory.announced(name)
         if not self.directory.live_workers(model.name):
             raise unavailable(f"no worker is serving model {name} right now")
         return model

@@ -146,10 +146,10 @@ def _heartbeat(
 
 def test_the_directory_knows_aliases_and_which_models_are_live():
     directory = WorkerDirectory()
-    assert directory.lookup("tiny") is None and not directory.any_live()
+    assert not directory.any_live()
     directory.observe(_heartbeat("w1", ["tiny", "llama_65b"]))
     directory.observe(_heartbeat("w2", ["tiny", "llama_65b"]))
-    assert directory.lookup("llama_65b").name == "tiny"
+    assert directory.announced("llama_65b").name == "tiny"
     assert directory.live_workers("tiny") == 2
     directory.observe(_heartbeat("w1", ["tiny"], leaving=True))
     assert directory.live_workers("tiny") == 1
@@ -161,7 +161,7 @@ def test_a_silent_worker_is_dead_after_three_intervals_but_its_model_stays_known
     assert directory.live_workers("tiny") == 1
     time.sleep(0.35)
     assert directory.live_workers("tiny") == 0 and not directory.any_live()
-    assert directory.lookup("tiny") is not None  # 503 rather than 404
+    assert directory.announced("tiny").name == "tiny"  # 503 rather than 404
 
 
 def test_routes_without_a_model_use_the_only_one_or_the_configured_default():

@@ -34,7 +34,8 @@ async def ready(request: Request) -> Response:
     responses={404: {"model": ErrorBody}, 503: {"model": ErrorBody}},
 )
 async def model_ready(model: str, request: Request) -> Response:
-    """A live worker serves this model: 200; 503 while none does; 404 if none ever announced it."""
+    """A live worker serves this model: 200; 503 while none does (or none has announced any model yet); 404 if
+    none ever announced it, naming those that were."""
     service: GatewayService = request.app.state.gateway
     service.resolve(model)
     return Response(status_code=200)

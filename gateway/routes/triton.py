@@ -135,10 +135,11 @@ async def server_metadata() -> ServerMetadata:
     return ServerMetadata(version=version("tokenrelay"))
 
 
-@router.get("/v2/models/{model}", response_model=ModelMetadata, responses={404: {"model": ErrorBody}})
+@router.get(
+    "/v2/models/{model}", response_model=ModelMetadata, responses={404: {"model": ErrorBody}, 503: {"model": ErrorBody}}
+)
 async def model_metadata(model: str, request: Request) -> ModelMetadata:
     """The model's inputs and outputs (KServe v2): token ids in `input0`, token ids out of `output0`."""
     service: GatewayService = request.app.state.gateway
-    if service.directory.lookup(model) is None:
-        raise not_found(f"model {model} is not served here")
+    service.directory.announced(model)
     return ModelMetadata(name=model)
