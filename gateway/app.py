@@ -42,6 +42,9 @@ def create_app(
         title="tokenrelay",
         summary="LLM inference behind a message bus: MindIE's API in front, Kafka behind.",
         lifespan=lifespan,
+        # /docs and /redoc are served by openapi.install, from local assets.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.gateway = service
     app.state.media = media

@@ -9,19 +9,30 @@ corrections keep the document truthful: the OpenAI routes answer an invalid
 body with 400 (documented), never with FastAPI's 422; and with API keys
 configured, every route but the open ones requires a bearer token and may
 answer 401.
+
+The pages that show the document, /docs (Swagger UI) and /redoc, load their
+scripts, styles and icon from this server (/docs-assets/, files of the
+fastapi-offline package) instead of FastAPI's default CDN, so that they work
+with no network: a gateway often runs where there is none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.resources import files
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 _EVENT_MODELS: list[type[BaseModel]] = []
 _REF = "#/components/schemas/{model}"
+DOCS_ASSETS = "/docs-assets"
+FAVICON = f"{DOCS_ASSETS}/favicon.png"
 
 
 def event_stream(event: type[BaseModel], description: str, error: type[BaseModel], end: str | None = None) -> dict:
@@ -54,6 +65,35 @@ def install(app: FastAPI, keys_required: Callable[[str], bool]) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
+    _install_pages(app)
+
+
+def _install_pages(app: FastAPI) -> None:
+    """/docs and /redoc, with their assets served from the installed fastapi-offline package (the app is created
+    with docs_url=None and redoc_url=None, which would otherwise serve FastAPI's CDN-loading pages)."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(files("fastapi_offline") / "static")), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")  # behind a proxy that serves the app under a prefix
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{FAVICON}",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_redoc_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{root}{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_favicon_url=f"{root}{FAVICON}",
+            with_google_fonts=False,
+        )
 
 
 def _correct(document: dict, keys_required: Callable[[str], bool]) -> None:
