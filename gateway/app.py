@@ -6,8 +6,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import openapi
+from gateway.access_log import AccessLog
 from gateway.api_keys import ApiKeys, open_path
 from gateway.errors import install_handlers
 from gateway.media import MediaLoader
@@ -45,13 +47,21 @@ def create_app(
         # /docs and /redoc are served by openapi.install, from local assets.
         docs_url=None,
         redoc_url=None,
+        # A path with a trailing slash is answered 404 naming the path without it (gateway/errors.py), not
+        # redirected: a 307 has an empty body, and clients that do not follow it (curl, a POST) see nothing
+        # useful. Not served as is either: one spelling per route keeps the API keys' open paths, the access
+        # log's and the metrics' route labels and the OpenAPI document to one form.
+        redirect_slashes=False,
     )
     app.state.gateway = service
     app.state.media = media
     app.state.more_metrics = more_metrics
+    # Each middleware added runs before those added earlier.
     app.add_middleware(RequestBodies, max_bytes=max_request_bytes)
+    app.add_middleware(HeadAsGet)
     if api_keys:
-        app.add_middleware(ApiKeys, keys=api_keys)  # added last: it runs first
+        app.add_middleware(ApiKeys, keys=api_keys)
+    app.add_middleware(AccessLog)  # first: it logs and counts every answer, the others' refusals included
     install_handlers(app)
     openapi.install(app, keys_required=lambda path: bool(api_keys) and not open_path(path))
     app.include_router(mindie.router)
@@ -62,3 +72,27 @@ def create_app(
     app.include_router(metrics.router)
     app.include_router(websocket.router)
     return app
+
+
+class HeadAsGet:
+    """HEAD answered wherever GET is, as GET would be less the body (RFC 9110, 9.3.2): probes and uptime
+    checks often send HEAD.
+
+    Here rather than as a method of each route, which would list every GET twice in the OpenAPI document.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self._app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        scope["method"] = "GET"  # in place, as routing records the route there for the access log to read
+        await self._app(scope, receive, headers_only)

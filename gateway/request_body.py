@@ -54,7 +54,9 @@ class RequestBodies:
             await error_response(scope["path"], 422, VALIDATION_ERROR, problem)(scope, receive, send)
             return
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-        scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        # Changed in place, not in a copy: the access log (gateway/access_log.py) reads the route that routing
+        # records in this scope.
+        scope["headers"] = [*headers, (b"content-type", b"application/json")]
         await self._app(scope, _replay(bytes(body), receive), send)
 
     async def _refuse(self, send: Send, size: int) -> None:

@@ -14,6 +14,10 @@ Server to client:
   sends as `data:` (OpenAI's chunks, without `[DONE]`), or an error object
   in that API's shape;
 - `{"id": ..., "done": true}`: the stream with that id has ended.
+A message that is refused (422: not valid, an unknown `op`, whose error
+names the ops there are) is answered with an error object under the
+message's own `id` (`null` if it has none), then `done` for that id unless a
+stream is running under it.
 `id` (1-256 of A-Z a-z 0-9 _ -) tells streams apart; absent, the server makes
 one up. The server pings every 20 s; it closes with 1000 when the client
 does, 1008 without a valid API key (when keys are configured), 1011 on an
@@ -74,4 +78,5 @@ class WsCancel(BaseModel):
 
 
 WsStart = WsGenerateStream | WsInfer | WsTgi | WsCompletions | WsChatCompletions
-WsClientMessage = TypeAdapter(Annotated[WsStart | WsCancel, Field(discriminator="op")])
+WsMessage = Annotated[WsStart | WsCancel, Field(discriminator="op")]
+WsClientMessage = TypeAdapter(WsMessage)

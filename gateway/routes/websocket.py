@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 import uuid
 from contextlib import aclosing
 
@@ -10,6 +12,7 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from gateway.access_log import access, client_of, level_of
 from gateway.errors import VALIDATION_ERROR, ApiError, describe_validation_error, openai_error_body
 from gateway.routes import mindie, openai, tgi, triton
 from schemas.triton import GenerateStreamRequest
@@ -20,12 +23,12 @@ from schemas.websocket import (
     WsCompletions,
     WsGenerateStream,
     WsInfer,
+    WsMessage,
     WsStart,
     WsTgi,
 )
 
 router = APIRouter(tags=["WebSocket"])
-log = structlog.get_logger(__name__)
 
 
 class _Socket:
@@ -33,29 +36,35 @@ class _Socket:
 
     def __init__(self, websocket: WebSocket) -> None:
         self._websocket = websocket
+        self.request_id: str = websocket.state.request_id  # gateway/access_log.py
+        self.client = client_of(websocket.scope)
         self._send_lock = asyncio.Lock()
         self.streams: dict[str, asyncio.Task] = {}
+        self.started = 0  # streams started, for the connection's log line
         self.closed = False
 
     async def send(self, message: dict) -> None:
         async with self._send_lock:
             await self._websocket.send_json(message)
 
-    async def fail(self, stream_id: str | None, error: ApiError, openai_shape: bool = False) -> None:
+    async def fail(self, stream_id: str | None, error: ApiError, openai_shape: bool = False, ends: bool = True) -> None:
+        """Send the error under `stream_id`, and (`ends`) that this id's stream is done."""
         if openai_shape:
             data = openai_error_body(error.status, error.body.error_type, error.body.error)
         else:
             data = error.body.model_dump()
         await self.send({"id": stream_id, "data": data})
-        if stream_id is not None:
+        if stream_id is not None and ends:
             await self.send({"id": stream_id, "done": True})
 
     async def handle(self, raw: str) -> None:
         try:
             message = WsClientMessage.validate_json(raw)
         except ValidationError as error:
-            text = "; ".join(describe_validation_error(e) for e in error.errors())
-            await self.fail(None, ApiError(422, VALIDATION_ERROR, text))
+            text = "; ".join(describe_validation_error(e, WsMessage) for e in error.errors())
+            stream_id = _id_in(raw)
+            refused = ApiError(422, VALIDATION_ERROR, text)
+            await self.fail(stream_id, refused, ends=stream_id not in self.streams)  # a stream under it goes on
             return
         if isinstance(message, WsCancel):
             task = self.streams.get(message.id)
@@ -63,10 +72,11 @@ class _Socket:
                 task.cancel()
             return
         stream_id = message.id or uuid.uuid4().hex
-        if stream_id in self.streams:
+        if stream_id in self.streams:  # said under that id, but it is not done: the stream running under it goes on
             message_text = f"id {stream_id} is already streaming on this socket"
-            await self.fail(None, ApiError(422, VALIDATION_ERROR, message_text))
+            await self.fail(stream_id, ApiError(422, VALIDATION_ERROR, message_text), ends=False)
             return
+        self.started += 1
         self.streams[stream_id] = asyncio.create_task(self._stream(stream_id, message))
 
     async def _objects(self, stream_id: str, message: WsStart):
@@ -85,21 +95,49 @@ class _Socket:
         return await openai.chat_chunks(connection, message.body)
 
     async def _stream(self, stream_id: str, message: WsStart) -> None:
+        request_id = f"{self.request_id}/{stream_id}"
+        structlog.contextvars.bind_contextvars(request_id=request_id)  # this task's own context: its lines only
+        started = time.perf_counter()
+        outcome, status, events = "done", None, 0
         try:
             objects = await self._objects(stream_id, message)
             async with aclosing(objects):  # closing it tells the worker to stop, if it has not ended
                 async for obj in objects:
                     await self.send({"id": stream_id, "data": obj})
+                    events += 1
             await self.send({"id": stream_id, "done": True})
         except ApiError as error:
+            outcome, status = "error", error.status
             await self.fail(stream_id, error, openai_shape=isinstance(message, WsCompletions | WsChatCompletions))
         except asyncio.CancelledError:
+            outcome = "socket_closed" if self.closed else "cancelled"
             if not self.closed:  # cancelled by the client's message, not by the socket closing
                 await self.send({"id": stream_id, "done": True})
         except WebSocketDisconnect:
-            pass  # the socket closed; the stream's cleanup told the worker to stop
+            outcome = "socket_closed"  # the stream's cleanup told the worker to stop
         finally:
             self.streams.pop(stream_id, None)
+            getattr(access, level_of(status or 200))(
+                "websocket_stream",
+                op=message.op,
+                id=stream_id,
+                request_id=request_id,
+                outcome=outcome,
+                status=status,
+                events=events,
+                latency_ms=round((time.perf_counter() - started) * 1000, 1),
+                client=self.client,
+            )
+
+
+def _id_in(raw: str) -> str | None:
+    """The `id` of a message that did not validate, when it has a usable one: its error is sent under it."""
+    try:
+        message = json.loads(raw)
+    except ValueError:
+        return None
+    stream_id = message.get("id") if isinstance(message, dict) else None
+    return stream_id if isinstance(stream_id, str) and stream_id else None
 
 
 @router.websocket("/ws")
@@ -107,10 +145,13 @@ async def websocket_streams(websocket: WebSocket) -> None:
     """Stream generate_stream events over a WebSocket; see schemas/websocket.py for the messages."""
     await websocket.accept()
     socket = _Socket(websocket)
+    opened = time.perf_counter()
+    close_code = None
     try:
         while True:
             await socket.handle(await websocket.receive_text())
-    except WebSocketDisconnect:
+    except WebSocketDisconnect as disconnect:
+        close_code = disconnect.code
         # Streams still waiting for their first token would not notice by themselves.
         socket.closed = True
         for task in list(socket.streams.values()):
@@ -119,3 +160,11 @@ async def websocket_streams(websocket: WebSocket) -> None:
         for task in list(socket.streams.values()):
             task.cancel()
         await asyncio.gather(*socket.streams.values(), return_exceptions=True)
+        access.info(
+            "websocket_connection",
+            request_id=socket.request_id,
+            client=socket.client,
+            streams=socket.started,
+            close_code=close_code,
+            duration_ms=round((time.perf_counter() - opened) * 1000, 1),
+        )

@@ -1,0 +1,204 @@
+"""Errors a user can act on: each says what is wrong and what would be right.
+
+One gateway in this process on an in-process bus, no worker: the directory
+is fed heartbeats directly where a test needs a model announced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from bus.inprocess import InProcessBus
+from gateway.app import create_app
+from gateway.media import MediaLoader, MediaPolicy
+from gateway.service import GatewayService, GatewaySettings
+from tests.test_gateway_state import _heartbeat
+
+WS_OPS = "'generate_stream', 'infer', 'tgi', 'completions', 'chat.completions', 'cancel'"
+
+
+def in_process_gateway(tmp_path: Path, **options) -> tuple[TestClient, GatewayService]:
+    """A gateway app on an in-process bus, with no worker; started and stopped by the client's context.
+
+    `options`: create_app's (api_keys, max_request_bytes)."""
+    service = GatewayService(InProcessBus(), GatewaySettings())
+    media = MediaLoader(MediaPolicy(media_dir=tmp_path))
+    app = create_app(service, media, **{"max_request_bytes": 1024 * 1024, **options})
+    return TestClient(app), service
+
+
+@pytest.fixture
+def gateway(tmp_path) -> Iterator[tuple[TestClient, GatewayService]]:
+    client, service = in_process_gateway(tmp_path)
+    with client:
+        yield client, service
+
+
+@pytest.fixture
+def client(gateway) -> TestClient:
+    """A gateway that a worker has told it serves `tiny`, also called `llama_65b`."""
+    client, service = gateway
+    service.directory.observe(_heartbeat("w1", ["tiny", "llama_65b"]))
+    return client
+
+
+def test_a_method_not_served_is_a_405_that_names_the_allowed_ones(client):
+    refused = client.delete("/health")
+    assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD"
+    assert refused.json() == {
+        "error": "DELETE is not allowed on /health; allowed: GET, HEAD",
+        "error_type": "Method Not Allowed",
+    }
+    openai = client.get("/v1/completions")
+    assert openai.status_code == 405 and openai.headers["allow"] == "POST"
+    assert openai.json()["error"] == {
+        "message": "GET is not allowed on /v1/completions; allowed: POST",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "Method Not Allowed",
+    }
+
+
+@pytest.mark.parametrize("path", ["/health", "/v2/health/live", "/metrics", "/v1/models", "/v2/models/tiny/ready"])
+def test_head_is_answered_wherever_get_is(client, path):
+    got, head = client.get(path), client.head(path)
+    assert (head.status_code, head.content) == (200, b"") and got.status_code == 200
+    assert head.headers.get("content-type") == got.headers.get("content-type")
+
+
+def test_head_tells_a_probe_what_get_would(gateway):
+    client, _ = gateway  # no worker yet
+    assert client.head("/v2/health/ready").status_code == 503
+    assert client.head("/v2/models/tiny/ready").status_code == 503
+
+
+def test_a_trailing_slash_is_a_404_naming_the_path_without_it(client):
+    answer = client.get("/health/", follow_redirects=False)
+    assert answer.status_code == 404
+    assert answer.json() == {
+        "error": "nothing is served at /health/; the path is /health, without the trailing slash",
+        "error_type": "NotFoundError",
+    }
+    openai = client.post("/v1/completions/", json={}, follow_redirects=False)
+    assert openai.status_code == 404
+    assert openai.json()["error"]["message"] == (
+        "nothing is served at /v1/completions/; the path is /v1/completions, without the trailing slash"
+    )
+    nowhere = client.get("/nowhere/")
+    assert nowhere.json()["error"] == "nothing is served at /nowhere/"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v2/models/nope/ready", None),
+        ("GET", "/v2/models/nope", None),
+        ("POST", "/v2/models/nope/generate", {"text_input": "x"}),
+    ],
+)
+def test_an_unknown_model_is_a_404_that_lists_the_served_names(client, method, path, body):
+    answer = client.request(method, path, json=body)
+    assert answer.status_code == 404
+    assert answer.json() == {
+        "error": "model nope is not served here; served: llama_65b, tiny",
+        "error_type": "NotFoundError",
+    }
+
+
+def test_before_any_worker_announced_itself_a_model_is_unavailable_not_unknown(gateway):
+    client, service = gateway
+    for answer in (
+        client.get("/v2/models/tiny/ready"),
+        client.post("/v2/models/tiny/generate", json={"text_input": "x"}),
+    ):
+        assert answer.status_code == 503 and answer.json()["error_type"] == "Service Unavailable"
+        assert re.fullmatch(
+            r"no worker has announced model tiny yet \(\d+ s since this gateway started\)", answer.json()["error"]
+        ), answer.text
+    service.directory.observe(_heartbeat("w1", ["other"]))
+    assert client.get("/v2/models/tiny/ready").status_code == 404
+    assert client.get("/v2/models/other/ready").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "error"),
+    [
+        (
+            "/generate",
+            {"inputs": "x", "max_new_tokens": 5},
+            "max_new_tokens is not a known field here; it belongs in parameters",
+        ),
+        (
+            "/infer_token",
+            {"input_id": [1], "temperature": 0.5},
+            "temperature is not a known field here; it belongs in parameters",
+        ),
+        (
+            "/v2/models/tiny/generate",
+            {"text_input": "x", "parameters": {"text_input": "y"}},
+            "parameters.text_input is not a known field here; it belongs at the top level",
+        ),
+        (
+            "/v2/models/tiny/infer",
+            {
+                "inputs": [{"name": "input0", "shape": [1], "datatype": "UINT32", "data": [1], "seed": 3}],
+                "outputs": [{"name": "output0"}],
+            },
+            "inputs.0.seed is not a known field here; it belongs in inputs.0.parameters",
+        ),
+        ("/generate", {"inputs": "x", "nonsense": 1}, "nonsense is not a known field"),
+    ],
+)
+def test_a_field_at_the_wrong_level_says_where_it_belongs(client, path, body, error):
+    answer = client.post(path, json=body)
+    assert answer.status_code == 422 and answer.json() == {"error": error, "error_type": "Input Validation Error"}
+
+
+def test_openai_errors_name_the_offending_field_in_param(client):
+    role = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "robot", "content": "x"}]})
+    assert role.status_code == 400 and role.json()["error"]["param"] == "messages.0.role"
+    tokens = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0})
+    assert tokens.status_code == 400 and tokens.json()["error"]["param"] == "max_tokens"
+    usage = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "include_usage": True})
+    assert usage.json()["error"]["message"] == "include_usage is not a known field here; it belongs in stream_options"
+    malformed = client.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert malformed.status_code == 400 and malformed.json()["error"]["param"] is None
+
+
+def test_websocket_errors_echo_the_message_id_and_name_the_ops(client):
+    with client.websocket_connect("/ws") as socket:
+        socket.send_json({"op": "nope", "id": "s1"})
+        assert socket.receive_json() == {
+            "id": "s1",
+            "data": {"error": f"op 'nope' is not one of {WS_OPS}", "error_type": "Input Validation Error"},
+        }
+        assert socket.receive_json() == {"id": "s1", "done": True}
+        socket.send_json({"id": "s2"})
+        assert socket.receive_json()["data"]["error"] == f"op is required: one of {WS_OPS}"
+        assert socket.receive_json() == {"id": "s2", "done": True}
+        socket.send_json({"op": "generate_stream", "id": "s3", "model": "tiny", "text_input": "x", "seed": 1})
+        assert socket.receive_json()["data"]["error"] == "seed is not a known field here; it belongs in parameters"
+        assert socket.receive_json() == {"id": "s3", "done": True}
+        socket.send_text("[1]")  # no id to echo
+        assert socket.receive_json() == {
+            "id": None,
+            "data": {"error": "body: Input should be an object; received list", "error_type": "Input Validation Error"},
+        }
+
+
+def test_docs_pages_load_everything_from_this_server(client):
+    for page in ("/docs", "/redoc"):
+        html = client.get(page)
+        assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+        assert not re.search(r"https?://", html.text), html.text
+        assets = re.findall(r'(?:src|href)="([^"]+)"', html.text)
+        assert len(assets) >= 2, html.text
+        for asset in assets:
+            served = client.get(asset)
+            assert served.status_code == 200 and len(served.content) > 1000, asset
+    assert client.get("/openapi.json").status_code == 200
