@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,9 +45,9 @@ def test_up_starts_gateways_on_consecutive_ports_sharing_the_workers_and_stops_t
         ]
         assert [a.status_code for a in answers] == [200, 200]
         assert answers[0].json()["text_output"] == answers[1].json()["text_output"]  # greedy, whichever worker ran it
-        assert sorted(p.name for p in logs.iterdir()) == [
-            "gateway-2.log",
-            "gateway-3.log",
+        assert sorted(p.name for p in logs.iterdir()) == [  # each named after the id it shows
+            "gateway-0.log",
+            "gateway-1.log",
             "worker-0.log",
             "worker-1.log",
         ]
@@ -59,3 +61,26 @@ def test_up_starts_gateways_on_consecutive_ports_sharing_the_workers_and_stops_t
     for gateway in gateways:
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{gateway}/health", timeout=2)
+
+
+def test_up_keeps_its_logs_and_says_where_when_a_process_dies(kafka_bootstrap, tmp_path):
+    command = [
+        TOKENRELAY,
+        *("up", "--gateways", "1", "--workers", "1", "--port", str(free_port())),
+        *("--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", f"up{uuid.uuid4().hex[:8]}"),
+        *("--worker-args", "--simulate no-such-profile"),  # the worker exits at once
+    ]
+    ended = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 1, ended.stderr[-3000:]
+    lines = [json.loads(line) for line in ended.stderr.splitlines() if line.startswith("{")]
+    died = [line for line in lines if line["event"] == "topology_process_died"]
+    assert [(line["process"], line["exit_code"]) for line in died] == [("worker-0", 1)]
+    assert "no-such-profile" in died[0]["last_line"]
+    stopping = [line for line in lines if line["event"] == "topology_stopping"]
+    assert stopping[0]["reason"] == "a process died"
+    logs = Path(stopping[0]["logs_kept"])
+    try:
+        assert sorted(p.name for p in logs.iterdir()) == ["gateway-0.log", "worker-0.log"]
+        assert died[0]["log"] == str(logs / "worker-0.log")
+    finally:
+        shutil.rmtree(logs)

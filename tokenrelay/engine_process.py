@@ -22,6 +22,7 @@ import structlog
 
 from bus.base import Bus
 from bus.local import LocalBus, LocalBusServer
+from tokenrelay.worker_parts import CannotStart
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +59,8 @@ class EngineProcess:
         connected.cancel()
         ended.cancel()
         if self._ended.is_set():
-            raise RuntimeError(f"the engine process exited while starting (exit code {self._process.exitcode})")
+            code = self._process.exitcode
+            raise CannotStart(f"the engine process exited while starting (exit code {code}): its line above says why")
         log.info("engine_process_started", pid=self._process.pid)
 
     def _on_exit(self) -> None:
@@ -136,6 +138,9 @@ def engine_main(argv: list[str], socket_path: str) -> None:
     try:
         worker = build_worker(args, bus, worker_id(args))
         ok = asyncio.run(lifecycle.run(bus, None, [worker], args.drain_timeout, asks_to_stop=asks_to_stop))
+    except CannotStart as error:
+        log.error("cannot_start", error=str(error))
+        ok = False
     except Exception:
         log.exception("failed")
         ok = False

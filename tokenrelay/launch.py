@@ -20,7 +20,7 @@ from bus.base import Bus, BusUnavailable
 from bus.inprocess import InProcessBus
 from tokenrelay import lifecycle
 from tokenrelay.engine_process import EngineProcess
-from tokenrelay.worker_parts import build_worker, worker_id
+from tokenrelay.worker_parts import CannotStart, build_worker, worker_id
 
 if TYPE_CHECKING:
     from bus.kafka import KafkaBus
@@ -59,6 +59,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
         ok = asyncio.run(lifecycle.run(bus, *parts, args.drain_timeout, started=started))
     except BusUnavailable as error:
         log.error("kafka_unreachable", error=str(error))
+        ok = False
+    except CannotStart as error:
+        log.error("cannot_start", error=str(error))
         ok = False
     except Exception:
         log.exception("failed")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,12 +76,18 @@ def spawn(command: list[str], log_path: Path) -> subprocess.Popen:
 
 
 @contextmanager
-def tokenrelay_processes(commands: list[list[str]], logs: Path) -> Iterator[list[subprocess.Popen]]:
-    """`tokenrelay COMMAND...` for each command, logging to `logs`; terminated (SIGTERM, then kill) on exit."""
+def tokenrelay_processes(
+    commands: list[list[str]], logs: Path, names: list[str] | None = None
+) -> Iterator[list[subprocess.Popen]]:
+    """`tokenrelay COMMAND...` for each command, logging to `logs`; terminated (SIGTERM, then kill) on exit.
+
+    Each logs to `logs/<name>.log`, its name from `names` (default: its command and index).
+    """
+    names = names or [f"{command[0]}-{index}" for index, command in enumerate(commands)]
     processes: list[subprocess.Popen] = []
     try:
-        for index, command in enumerate(commands):
-            processes.append(spawn(command, logs / f"{command[0]}-{index}.log"))
+        for name, command in zip(names, commands, strict=True):
+            processes.append(spawn(command, logs / f"{name}.log"))
         yield processes
     finally:
         for process in processes:
@@ -117,17 +124,28 @@ def local_broker(directory: Path, brokers: int = 1) -> Iterator[str]:
 
 
 def up(args: argparse.Namespace) -> int:
-    """`tokenrelay up`: run the topology until SIGINT/SIGTERM (0) or until one of its processes dies (1)."""
+    """`tokenrelay up`: run the topology until SIGINT/SIGTERM (0) or until one of its processes dies (1).
+
+    Each process logs to `<log dir>/<its id>.log`. Without --log-dir they go to a temporary directory, removed
+    after a clean stop and kept (and named) when a process died.
+    """
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
+    if args.kafka_brokers == 2 or args.kafka_brokers < 1:
+        # Two controllers cannot elect a leader when one is gone: no better than one broker.
+        log.error("topology_bad_brokers", brokers=args.kafka_brokers, allowed="1, or 3 or more")
+        return 2
+    logs = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="tokenrelay-up-logs-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    status = _up(args, logs, stopping)
+    if status == 0 and not args.log_dir:
+        shutil.rmtree(logs, ignore_errors=True)
+    return status
+
+
+def _up(args: argparse.Namespace, logs: Path, stopping: threading.Event) -> int:
     with tempfile.TemporaryDirectory(prefix="tokenrelay-up-") as scratch, ExitStack() as stack:
-        logs = Path(args.log_dir or scratch)
-        logs.mkdir(parents=True, exist_ok=True)
-        if args.kafka_brokers == 2 or args.kafka_brokers < 1:
-            # Two controllers cannot elect a leader when one is gone: no better than one broker.
-            log.error("topology_bad_brokers", brokers=args.kafka_brokers, allowed="1, or 3 or more")
-            return 2
         bootstrap = args.kafka_bootstrap or stack.enter_context(
             local_broker(Path(scratch) / "kafka", args.kafka_brokers)
         )
@@ -142,21 +160,33 @@ def up(args: argparse.Namespace) -> int:
             ["gateway", *kafka, "--host", args.host, "--port", str(args.port + i), "--gateway-id", name, *gateway_args]
             for i, name in enumerate(names[args.workers :])
         ]
-        processes = stack.enter_context(tokenrelay_processes(commands, logs))
-        for url in urls:
-            wait_ready(url.replace("0.0.0.0", "127.0.0.1"), None, processes)
-        log.info(
-            "topology_up",
-            gateways=urls,
-            workers=args.workers,
-            kafka=bootstrap,
-            kafka_brokers=args.kafka_brokers,
-            logs=str(logs),
-        )
+        processes = stack.enter_context(tokenrelay_processes(commands, logs, names))
+        log.info("topology_starting", kafka=bootstrap, logs={name: str(logs / f"{name}.log") for name in names})
+        try:
+            for url in urls:
+                wait_ready(url.replace("0.0.0.0", "127.0.0.1"), None, processes)
+        except RuntimeError:
+            pass  # a process died: said below
+        else:
+            log.info("topology_up", gateways=urls, workers=args.workers, kafka_brokers=args.kafka_brokers)
         while not stopping.wait(0.5):
-            died = [name for name, process in zip(names, processes, strict=True) if process.poll() is not None]
+            died = {name: process for name, process in zip(names, processes, strict=True) if process.poll() is not None}
             if died:
-                log.error("topology_process_died", processes=died, logs=str(logs))
+                for name, process in died.items():
+                    log.error(
+                        "topology_process_died",
+                        process=name,
+                        exit_code=process.returncode,
+                        last_line=_last_line(logs / f"{name}.log"),
+                        log=str(logs / f"{name}.log"),
+                    )
+                log.error("topology_stopping", reason="a process died", logs_kept=str(logs))
                 return 1
-        log.info("topology_stopping")
+        log.info("topology_stopping", reason="signal")
     return 0
+
+
+def _last_line(path: Path) -> str:
+    """The last line a process logged: usually why it stopped."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return lines[-1][-2000:] if lines else ""

@@ -10,6 +10,7 @@ import argparse
 import os
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
     from workers.worker import Worker
 
 log = structlog.get_logger("tokenrelay")
+
+
+class CannotStart(Exception):
+    """A flag names what cannot be had (no such model or profile): said in one line, without a traceback."""
 
 
 def worker_id(args: argparse.Namespace) -> str:
@@ -62,16 +67,24 @@ def engine_parts(args: argparse.Namespace) -> tuple[Model, EngineConfig, list[st
         from workers.simulated.model import SimulatedModel
         from workers.simulated.profile import Profile
 
-        model = SimulatedModel(Profile.load(args.simulate))
+        try:
+            model = SimulatedModel(Profile.load(args.simulate))
+        except ValueError as error:
+            raise CannotStart(f"--simulate: {error}") from None
         return model, model.engine_config(config), args.served_model_name or [model.profile.name]
     path, name = args.model, args.model
     if args.model == str(BUNDLED_MODEL):
         path, name = (BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME) if args.vision else (path, BUNDLED_MODEL_NAME)
+    if str(path).startswith(("/", ".")) and not Path(path).exists():
+        raise CannotStart(f"--model {path}: no such directory")
     began = time.monotonic()
     log.info("loading_model", model=str(path), device=args.device)
     from workers.engine.model_loader import load_model
 
-    loaded = load_model(str(path), args.device, args.dtype or None)
+    try:
+        loaded = load_model(str(path), args.device, args.dtype or None)
+    except OSError as error:  # transformers' own words: no such directory or hub id, a file missing
+        raise CannotStart(f"--model {path}: {error}") from None
     log.info(
         "model_loaded",
         model=str(path),
