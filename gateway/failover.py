@@ -95,14 +95,19 @@ class Failover:
     def _fail_over(self, inflight: InFlight, reason: str) -> None:
         worker = inflight.worker_id
         if inflight.request.attempt + 1 >= MAX_ATTEMPTS:
-            log.error("request_abandoned", request_id=inflight.request.request_id, reason=reason, worker_id=worker)
+            log.error(
+                "request_abandoned",
+                **inflight.request.log_ids(),
+                reason=reason,
+                worker_id=worker,
+            )
             inflight.fail(f"generation broke off {MAX_ATTEMPTS} times; last: {reason}")
             return
         request = inflight.attempt_again()
         FAILOVERS.labels(request.model, reason).inc()
         log.warning(
             "request_failing_over",
-            request_id=request.request_id,
+            **request.log_ids(),
             attempt=request.attempt,
             delivered_tokens=len(request.generated_token_ids),
             structured=request.sampling.grammar is not None,
@@ -130,7 +135,11 @@ class Failover:
                 await self._bus.publish(self._control_topic, fence)
                 await self._dispatcher.dispatch(inflight)
             except (BusUnavailable, UnknownTopic) as error:
-                log.warning("failover_not_published", request_id=request.request_id, error=str(error))
+                log.warning(
+                    "failover_not_published",
+                    **request.log_ids(),
+                    error=str(error),
+                )
                 self._unpublished.add(inflight)
                 return
             if inflight.request is request:

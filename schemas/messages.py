@@ -100,7 +100,10 @@ class GenerationRequest(_Message):
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
 
     kind: Literal["generate"] = "generate"
-    request_id: str  # unique per request, assigned by the gateway
+    request_id: str  # unique per generation, assigned by the gateway (logged as generation_id)
+    # The request id (X-Request-Id) of the HTTP request or WebSocket stream it came from, which several
+    # generations (OpenAI's n) share: logged as request_id, so that one grep finds a request's every line.
+    trace_id: str = ""
     attempt: int = 0  # raised when the request is re-published after a failure
     model: str  # the canonical served name (the one its topics are named after)
     prompt_text: str | None = None
@@ -132,6 +135,10 @@ class GenerationRequest(_Message):
         if len(self.image_places()) != len(self.images):
             raise ValueError(f"{len(self.image_places())} image parts for {len(self.images)} images")
         return self
+
+    def log_ids(self) -> dict[str, str]:
+        """The ids its log lines carry: its request's (which one grep finds everywhere) and its own."""
+        return {"request_id": self.trace_id, "generation_id": self.request_id}
 
     def image_places(self) -> list[ImagePart]:
         parts = list(self.prompt_parts or ())

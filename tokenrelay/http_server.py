@@ -8,6 +8,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import structlog
 import uvicorn
 
 from bus.base import Bus
@@ -15,6 +16,8 @@ from gateway.api_keys import load_keys
 from gateway.app import create_app
 from gateway.media import MediaLoader, MediaPolicy
 from gateway.service import GatewayService, GatewaySettings
+
+log = structlog.get_logger("tokenrelay")
 
 
 def http_server(
@@ -74,6 +77,12 @@ class HttpServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, gateway: GatewayService) -> None:
         super().__init__(config)
         self.gateway = gateway
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            scheme = "https" if self.config.is_ssl else "http"
+            log.info("serving", url=f"{scheme}://{self.config.host}:{self.config.port}")
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -53,9 +53,22 @@ def configure(level: str = "info", process: str = "tokenrelay") -> None:
     for name in ("aiokafka", "kafka", "httpx", "transformers"):
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
     handler.addFilter(RepeatFilter(every_s=5.0, prefix="aiokafka"))
+    handler.addFilter(demote_transient)
     for name in ("uvicorn", "uvicorn.access", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+
+
+# aiokafka's lines about what it retries by itself, at the level they deserve: a group coordinator that is not
+# elected yet (a broker's first seconds, or just after a coordinator moved) is waited for, not an error.
+_TRANSIENT = ("GroupCoordinatorNotAvailableError", "Marking the coordinator dead")
+
+
+def demote_transient(record: logging.LogRecord) -> bool:
+    if record.name.startswith("aiokafka") and record.levelno > logging.INFO:
+        if any(sign in record.getMessage() for sign in _TRANSIENT):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
 
 
 class RepeatFilter(logging.Filter):

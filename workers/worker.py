@@ -149,6 +149,7 @@ class Worker:
 
     async def start(self) -> None:
         """Create the topics, open the inbox, join the request group, start the engine."""
+        structlog.contextvars.bind_contextvars(worker_id=self._settings.worker_id)  # this task's lines, and its tasks'
         self._loop = asyncio.get_running_loop()
         partitions = {topic: self._settings.partitions for topic in self._topics}
         singles = dict.fromkeys((self._control_topic, self._inbox_topic, self._routing_topic), 1)
@@ -161,6 +162,7 @@ class Worker:
 
     async def run(self) -> None:
         """Serve until cancelled, or until a part of the worker fails."""
+        structlog.contextvars.bind_contextvars(worker_id=self._settings.worker_id)  # this task's lines, and its tasks'
         assert self._queue is not None and self._control is not None and self._inbox is not None
         self._tasks = {
             name: asyncio.create_task(coroutine, name=name)
@@ -219,7 +221,11 @@ class Worker:
     def _hand_back(self, delivery: Delivery) -> None:
         self._handed_back[delivery.request.request_id] = delivery.request.attempt
         self._finished(delivery)
-        log.info("request_handed_back", request_id=delivery.request.request_id, attempt=delivery.request.attempt)
+        log.info(
+            "request_handed_back",
+            **delivery.request.log_ids(),
+            attempt=delivery.request.attempt,
+        )
 
     async def stop(self) -> None:
         await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
@@ -308,13 +314,26 @@ class Worker:
             self._cancel(running, "superseded")
             return False
         elif cancel is not None and cancel.covers(request.attempt):
-            log.info("request_skipped", request_id=request.request_id, attempt=request.attempt, reason=cancel.reason)
+            log.info(
+                "request_skipped",
+                **request.log_ids(),
+                attempt=request.attempt,
+                reason=cancel.reason,
+            )
             self._drops.append((delivery, None))
         elif self._gateways.gone(request.reply_to, time.monotonic()):
-            log.info("request_skipped", request_id=request.request_id, reason="its gateway is gone")
+            log.info(
+                "request_skipped",
+                **request.log_ids(),
+                reason="its gateway is gone",
+            )
             self._drops.append((delivery, None))
         elif time.time() > request.deadline:
-            log.info("request_skipped", request_id=request.request_id, reason="expired while queued")
+            log.info(
+                "request_skipped",
+                **request.log_ids(),
+                reason="expired while queued",
+            )
             message = f"request {request.request_id} expired in the queue"
             self._drops.append((delivery, ErrorInfo(message=message, error_type="Timeout", status=504)))
         elif self._has_room(request.priority):
@@ -325,7 +344,7 @@ class Worker:
             log.info(
                 "request_admitted",
                 worker_id=self._settings.worker_id,
-                request_id=request.request_id,
+                **request.log_ids(),
                 priority=request.priority,
                 attempt=request.attempt,
                 running=len(self._active),
@@ -371,7 +390,7 @@ class Worker:
                         log.info(
                             "request_finished",
                             worker_id=self._settings.worker_id,
-                            request_id=event.request_id,
+                            **taken.delivery.request.log_ids(),
                             finish_reason=event.finish_reason,
                             generated_tokens=event.index + len(event.token_ids),
                         )
@@ -411,10 +430,10 @@ class Worker:
         if taken.cancelled_at is not None:
             return
         taken.cancelled_at = time.monotonic()
-        request_id = taken.delivery.request.request_id
-        self._engine.cancel(request_id)
+        request = taken.delivery.request
+        self._engine.cancel(request.request_id)
         self._metrics.cancellations.labels(self.model.name, reason).inc()
-        log.info("request_cancel_received", request_id=request_id, reason=reason)
+        log.info("request_cancel_received", **request.log_ids(), reason=reason)
 
     def _drop_orphans(self) -> None:
         """Stop generating for gateways that left or went silent: nobody reads those tokens."""

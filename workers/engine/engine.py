@@ -14,6 +14,7 @@ step runs there, and its first token goes out at once.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 import time
@@ -158,6 +159,10 @@ class Engine:
         return {"preemptions": self._scheduler.preemptions, "reused_tokens": self._blocks.reused_tokens}
 
     def start(self) -> None:
+        """Start stepping, in a thread whose log lines carry what the caller's context binds (its worker's id)."""
+        self._thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(self._run,), name="engine", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
