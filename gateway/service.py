@@ -25,6 +25,7 @@ import structlog
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.peers import PeerClock, send_own_heartbeat
 from bus.topics import control_topic, reply_topic, routing_topic
+from gateway.access_log import current_request_id
 from gateway.directory import WorkerDirectory
 from gateway.dispatch import Dispatcher
 from gateway.errors import PAYLOAD_TOO_LARGE, ApiError, not_found, unavailable
@@ -258,8 +259,11 @@ class GatewayService:
         `client_id` is the id the client gave (stopInfer finds the request by it).
         """
         now = time.time()
+        generation_id = uuid.uuid4().hex
+        trace_id = current_request_id() or generation_id
         request = GenerationRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=generation_id,
+            trace_id=trace_id,
             model=model.name,
             prompt_text=prompt_text,
             prompt_token_ids=prompt_token_ids,
@@ -275,7 +279,7 @@ class GatewayService:
             deadline=now + (timeout_s or self._settings.default_timeout_s),
             reply_to=self._reply_topic,
         )
-        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        structlog.contextvars.bind_contextvars(generation_id=generation_id)
         if self.draining:
             self._metrics.failures.labels(model.name, SERVICE_UNAVAILABLE).inc()
             raise ApiError(
@@ -362,7 +366,11 @@ class GatewayService:
         except (BusUnavailable, UnknownTopic) as error:
             raise unavailable(f"the message bus cannot take the cancellation now: {error}") from error
         self._metrics.cancellations.labels(inflight.request.model, reason).inc()
-        log.info("request_cancelled", request_id=inflight.request.request_id, reason=reason)
+        log.info(
+            "request_cancelled",
+            **inflight.request.log_ids(),
+            reason=reason,
+        )
 
     def _check_size(self, request: GenerationRequest) -> None:
         """413 for a request larger on the bus than the bus carries: refused here, before it is published."""
@@ -396,4 +404,8 @@ class GatewayService:
         try:
             await self._cancel(inflight, reason)
         except ApiError as error:  # nobody to answer: the worker's own deadline ends the request
-            log.warning("cancel_not_published", request_id=inflight.request.request_id, error=error.body.error)
+            log.warning(
+                "cancel_not_published",
+                **inflight.request.log_ids(),
+                error=error.body.error,
+            )

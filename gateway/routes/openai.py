@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection
 
+from gateway.access_log import current_request_id
 from gateway.errors import openai_error_body, unprocessable
 from gateway.generation import check_prompt_tokens, complete_all, sse_response, start_each, streams
 from gateway.grammars import json_object_grammar, json_schema_grammar
@@ -182,10 +183,15 @@ class _CompletionText:
         return text, logprobs
 
 
+def _answer_id(prefix: str) -> str:
+    """`prefix-<request id>`: the answer's id names the request id that the gateway's and workers' lines carry."""
+    return f"{prefix}-{current_request_id() or uuid.uuid4().hex}"
+
+
 async def completion_chunks(connection: HTTPConnection, body: CompletionRequest) -> AsyncIterator[dict]:
     """A streamed completion's chunks (also what the WebSocket sends)."""
     inflights = await _submit(connection, body)
-    completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    completion_id, created = _answer_id("cmpl"), int(time.time())
     pieces = [_CompletionText(body) for _ in inflights]
 
     def chunk(choice: int | None, event: TokenEvent | None) -> dict:
@@ -244,7 +250,7 @@ class _ChatDeltas:
 async def chat_chunks(connection: HTTPConnection, body: ChatCompletionRequest) -> AsyncIterator[dict]:
     """A streamed chat completion's chunks (also what the WebSocket sends): each choice's role first."""
     inflights = await _submit(connection, body)
-    completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    completion_id, created = _answer_id("chatcmpl"), int(time.time())
     deltas = [_ChatDeltas(body) for _ in inflights]
 
     def chunk(choice: int | None, event: TokenEvent | None, delta: Delta | None = None) -> dict:
@@ -275,7 +281,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.stream:
         return _with_done(await completion_chunks(request, body))
     inflights = await _submit(request, body)
-    completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    completion_id, created = _answer_id("cmpl"), int(time.time())
     answers = await complete_all(request.app.state.gateway, inflights, request)
     choices = []
     for index, done in enumerate(answers):
@@ -299,7 +305,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         return _with_done(await chat_chunks(request, body))
     inflights = await _submit(request, body)
-    completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    completion_id, created = _answer_id("chatcmpl"), int(time.time())
     answers = await complete_all(request.app.state.gateway, inflights, request)
     choices = []
     for index, done in enumerate(answers):
