@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -92,8 +93,12 @@ async def check_bootstrap(servers: str, timeout_s: float = 5.0) -> None:
                 _, writer = await asyncio.open_connection(host or "localhost", int(port))
         except TimeoutError:
             return f"{address}: no answer in {timeout_s:g} s"
-        except (OSError, ValueError) as error:
-            return f"{address}: {getattr(error, 'strerror', None) or error}"
+        except OSError as error:  # asyncio's words for a refusal name the address again; the system's do not
+            return (
+                f"{address}: {os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror or error}"
+            )
+        except ValueError as error:
+            return f"{address}: {error}"
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()

@@ -32,6 +32,10 @@ class Process:
                 parsed.append(json.loads(line))
         return parsed
 
+    def raw_lines(self) -> list[str]:
+        """What it wrote that is not a JSON event: a traceback, a warning, a print."""
+        return [line for line in self.log_path.read_text().splitlines() if line and not line.startswith("{")]
+
     def events_named(self, name: str) -> list[dict]:
         return [e for e in self.events() if e.get("event") == name]
 
@@ -92,6 +96,7 @@ def serving(log_dir: Path, *args: str, model: str = "tokenrelay-tiny", env: dict
         yield served
     finally:
         assert process.stop() == 0, process.log_tail()
+        assert process.raw_lines() == [], process.log_tail()  # a clean stop: no traceback, no warning
 
 
 @contextlib.contextmanager
@@ -114,6 +119,7 @@ def on_kafka(
     finally:
         for process in (gateway, worker):
             assert process.stop() == 0, process.log_tail()
+            assert process.raw_lines() == [], process.log_tail()
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 BENCHMARKS = ("engine", "serve", "chaos", "rolling", "scale", "priority", "profile")
 HEAVY = ("torch", "transformers", "aiokafka", "matplotlib")
@@ -46,3 +47,37 @@ def test_every_benchmarks_help_imports_nothing_heavy():
         assert seen[name]["status"] == 0, (name, seen[name])
         assert seen[name]["usage"].startswith(f"usage: tokenrelay bench {name}"), (name, seen[name])
         assert seen[name]["heavy"] == [], f"`bench {name} --help` imported {seen[name]['heavy']}"
+
+
+COMMANDS = ([], ["serve"], ["gateway"], ["worker"], ["simulate"], ["up"], ["bench"])
+# What a command imports once its line is parsed, never for --help: the web stack and the Kafka client too.
+RUNTIME = (*HEAVY, "fastapi", "uvicorn", "structlog")
+
+HELP_OF = """
+import contextlib, io, json, sys
+from tokenrelay.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as shown:
+    try:
+        main(sys.argv[2:] + ["--help"])
+    except SystemExit as exit:
+        status = exit.code
+print(json.dumps({"status": status, "usage": shown.getvalue().split("\\n")[0],
+                  "heavy": sorted(m for m in sys.argv[1].split(",") if m in sys.modules)}))
+"""
+
+
+def test_every_commands_help_imports_only_the_parser(capsys):
+    slowest = 0.0
+    for command in COMMANDS:
+        began = time.monotonic()
+        run = subprocess.run(
+            [sys.executable, "-c", HELP_OF, ",".join(RUNTIME), *command], capture_output=True, text=True, timeout=60
+        )
+        slowest = max(slowest, time.monotonic() - began)
+        assert run.returncode == 0, run.stderr[-3000:]
+        seen = json.loads(run.stdout.strip().splitlines()[-1])
+        assert seen["status"] == 0, (command, seen)
+        assert seen["usage"].startswith(" ".join(["usage: tokenrelay", *command])), (command, seen)
+        assert seen["heavy"] == [], f"`tokenrelay {' '.join(command)} --help` imported {seen['heavy']}"
+    with capsys.disabled():  # the figure, for the record; a clock is no test on a shared machine
+        sys.stderr.write(f"\nslowest `tokenrelay ... --help`, interpreter start included: {slowest:.2f} s\n")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 
+from tests.processes import TOKENRELAY, free_port
 from tokenrelay.cli import build_parser
 
 
@@ -62,3 +66,15 @@ def test_help_names_the_environment_variable(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "TOKENRELAY_SERVED_MODEL_NAME" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["worker", "gateway"])
+def test_an_unreachable_broker_is_one_line_naming_its_address_and_cause_then_exit_1(command):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    ended = subprocess.run(
+        [TOKENRELAY, command, "--kafka-bootstrap", address], capture_output=True, text=True, timeout=10
+    )
+    assert ended.returncode == 1
+    lines = [json.loads(line) for line in ended.stderr.splitlines()]  # JSON only: no traceback
+    assert [line["event"] for line in lines] == ["connecting_to_kafka", "kafka_unreachable"]
+    assert lines[-1]["error"] == f"cannot reach Kafka at {address}: Connection refused"

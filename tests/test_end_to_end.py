@@ -29,6 +29,7 @@ ALIAS = "llama_65b"  # the model name of the spec's generate example
 # tokens and runs LONG_PROMPT on past 400 tokens.
 PROMPT = "The os module provides"
 LONG_PROMPT = "The following example"
+WORKER_ID = "e2e-worker"
 
 
 @dataclass
@@ -48,7 +49,7 @@ def deployment(request, tmp_path_factory):
     port = free_port()
     names = ["--served-model-name", MODEL, ALIAS]
     if request.param == "serve":
-        serve = spawn_tokenrelay(["serve", "--port", str(port), *names], logs / "serve.log")
+        serve = spawn_tokenrelay(["serve", "--port", str(port), "--worker-id", WORKER_ID, *names], logs / "serve.log")
         processes, worker = [serve], serve
     else:
         kafka = [
@@ -57,7 +58,7 @@ def deployment(request, tmp_path_factory):
             "--topic-prefix",
             f"e2e{uuid.uuid4().hex[:8]}",
         ]
-        worker = spawn_tokenrelay(["worker", *kafka, *names], logs / "worker.log")
+        worker = spawn_tokenrelay(["worker", *kafka, "--worker-id", WORKER_ID, *names], logs / "worker.log")
         gateway = spawn_tokenrelay(["gateway", "--port", str(port), *kafka], logs / "gateway.log")
         processes = [worker, gateway]
     base_url = f"http://127.0.0.1:{port}"
@@ -67,6 +68,8 @@ def deployment(request, tmp_path_factory):
     finally:
         for process in processes:
             assert process.stop() == 0, process.log_tail()
+            # Every line is a JSON event: no traceback, no "Unclosed" warning, from start to SIGTERM.
+            assert process.raw_lines() == [], process.log_tail()
 
 
 def _stream_events(base_url: str, model: str, body: dict) -> list[dict]:
@@ -257,6 +260,30 @@ def test_errors_name_what_is_wrong(deployment):
     for malformed in (b'{"text_input": ', b'{"text_input": "\xff\xfe"}'):  # cut short; not UTF-8
         broken = httpx.post(url, content=malformed, headers={"content-type": "application/json"})
         assert broken.status_code == 422 and broken.json()["error_type"] == "Input Validation Error", broken.text
+
+
+def test_one_request_id_finds_a_request_in_the_gateways_and_the_workers_lines(deployment):
+    request_id = f"trace-{uuid.uuid4().hex[:8]}"
+    answer = httpx.post(
+        f"{deployment.base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4},
+        headers={"X-Request-Id": request_id},
+        timeout=60,
+    )
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == request_id
+    assert answer.json()["id"] == f"chatcmpl-{request_id}"
+    gateway = deployment.processes[-1]  # serve: the one process; on Kafka: the gateway, started last
+    lines = {
+        process: [event for event in process.events() if event.get("request_id") == request_id]
+        for process in {gateway, deployment.worker}
+    }
+    access = [e for e in lines[gateway] if e["event"] == "http_request"]
+    assert [(e["method"], e["route"], e["status"]) for e in access] == [("POST", "/v1/chat/completions", 200)]
+    worker_lines = [e for e in lines[deployment.worker] if e["event"] in ("request_admitted", "request_finished")]
+    assert [e["event"] for e in worker_lines] == ["request_admitted", "request_finished"]
+    assert {e["worker_id"] for e in worker_lines} == {WORKER_ID}
+    generation = worker_lines[0]["generation_id"]
+    assert generation != request_id and all(e["generation_id"] == generation for e in worker_lines)
 
 
 def test_health_and_readiness(deployment):

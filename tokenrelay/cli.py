@@ -199,7 +199,7 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
         "--simulate",
         default="",
         help="simulate the model with a step-time profile (a file, or one of "
-        f"{', '.join(simulation_profiles())}): no weights, no torch; empty: run --model",
+        f"{', '.join(simulation_profiles())}): no weights, no torch; empty: run --model (`tokenrelay simulate`: bundled-cpu)",
     )
 
 
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="benchmarks: `tokenrelay bench {engine,serve,chaos,rolling,scale,priority,profile} --help`",
-        add_help=False,
+        description="Benchmarks; each has its own options: `tokenrelay bench BENCHMARK --help`.",
     )
     bench.add_argument("benchmark", choices=["engine", "serve", "chaos", "rolling", "scale", "priority", "profile"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
