@@ -199,7 +199,8 @@ def _worker_options(parser: argparse.ArgumentParser) -> None:
         "--simulate",
         default="",
         help="simulate the model with a step-time profile (a file, or one of "
-        f"{', '.join(simulation_profiles())}): no weights, no torch; empty: run --model (`tokenrelay simulate`: bundled-cpu)",
+        f"{', '.join(simulation_profiles())}): no weights, no torch; "
+        "empty: run --model (`tokenrelay simulate`: bundled-cpu)",
     )
 
 

@@ -47,12 +47,17 @@ class EngineProcess:
         """Start the process now, before any event loop: its model loads while this process builds the rest."""
         self._process.start()
 
+    def kill(self) -> None:
+        """At once, without a word to it: this process stops before it has started."""
+        if self._process.pid is not None:
+            self._process.kill()
+
     async def start(self) -> None:
         """Once its worker has connected, which it does when its model has loaded."""
         if self._process.pid is None:
             self.spawn()
-        await self._server.start()
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._on_exit)
+        await self._server.start()
         connected = asyncio.create_task(self._server.connected.wait())
         ended = asyncio.create_task(self._ended.wait())
         await asyncio.wait([connected, ended], return_when=asyncio.FIRST_COMPLETED)
@@ -91,6 +96,9 @@ class EngineProcess:
         if self._process.pid is None:  # never started
             await self._server.close()
             return
+        if not self._server.connected.is_set() and not self._ended.is_set():  # loading its model: nothing to drain
+            self._process.kill()
+            self._on_exit()
         if not self._ended.is_set() and not self._drained:
             await self._server.ask_to_stop()  # the first ask starts a drain...
         if not self._ended.is_set():

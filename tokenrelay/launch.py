@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import functools
 import os
+import signal
 import uuid
 from typing import TYPE_CHECKING
 
@@ -30,11 +31,22 @@ log = structlog.get_logger("tokenrelay")
 
 def launch(args: argparse.Namespace, argv: list[str]) -> None:
     """Run the command `args` describes until it is stopped; exit with its status. `argv`: its arguments."""
+    children: list[EngineProcess] = []
+
+    def stop_while_starting(signum: int, _) -> None:  # until lifecycle.run's own handlers replace this one
+        for child in children:
+            child.kill()
+        log.info("stopped_while_starting", signal=signal.Signals(signum).name)
+        lifecycle.exit_now(True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop_while_starting)
     try:
         if args.command == "serve":
             bus: Bus = InProcessBus(args.max_message_bytes)
             engine = EngineProcess(bus, argv)
             engine.spawn()
+            children.append(engine)
             from tokenrelay.http_server import http_server
 
             parts = (http_server(args, bus, engine.metrics), [engine])

@@ -73,7 +73,9 @@ async def run(
     await bus.start()
     tasks = [asyncio.create_task(stopping.wait(), name="signal")]
     try:
-        await asyncio.gather(*(worker.start() for worker in workers))
+        if not await _started(workers, tasks[0]):
+            log.info("stopped_while_starting")
+            return True
         if started is not None:
             started()
         tasks += [asyncio.create_task(worker.run(), name="worker") for worker in workers]
@@ -99,6 +101,18 @@ async def run(
             exit_now(not failed)
         log.info("stopped")
     return not failed
+
+
+async def _started(workers: list[Part], signalled: asyncio.Task) -> bool:
+    """Start the workers (joining groups, or serve's engine loading its model); False if a signal came first."""
+    starting = asyncio.ensure_future(asyncio.gather(*(worker.start() for worker in workers)))
+    await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        starting.result()  # raises what failed
+        return True
+    starting.cancel()
+    await asyncio.gather(starting, return_exceptions=True)
+    return False
 
 
 async def _stop(bus: Bus, workers: list[Part], tasks: list[asyncio.Task]) -> None:

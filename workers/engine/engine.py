@@ -126,7 +126,7 @@ class Engine:
         self._compiling: set[str] = set()
         self._cancelled_compiling: set[str] = set()
         self._runner.yield_between_layers(self._start_urgent)
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread: threading.Thread | None = None  # start()'s
 
     @property
     def max_input_len(self) -> int:
@@ -166,14 +166,14 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        if self._thread.is_alive():
+        if self.alive():
             self._inbox.put(_STOP)
             self._thread.join(timeout=30)
         if self._grammars is not None:
             self._grammars.close()
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def submit(self, request: GenerationRequest, received_at: float) -> None:
         """Queue a request; its events come out of `on_step`. Thread-safe. A request with a grammar
