@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.processes import serving
+from tests.processes import free_port, serving, spawn_tokenrelay
 
 MODEL = "tokenrelay-tiny"
 LONG = {"text_input": "The following example", "parameters": {"max_new_tokens": 120, "seed": 7, "details": True}}
@@ -53,3 +53,14 @@ def test_serve_drains_on_sigterm(tmp_path):
     assert drained["handed_over"] == 0
     [gateway] = served.process.events_named("gateway_drained")
     assert gateway["cut_short"] == 0
+
+
+def test_a_signal_while_serve_loads_its_model_stops_it_at_once(tmp_path):
+    process = spawn_tokenrelay(["serve", "--port", str(free_port())], tmp_path / "serve.log")
+    deadline = time.monotonic() + 60
+    while not process.events_named("loading_model"):  # the engine process has begun to load
+        assert time.monotonic() < deadline and process.popen.poll() is None, process.log_tail()
+        time.sleep(0.1)
+    assert process.stop(timeout_s=10) == 0, process.log_tail()
+    assert process.raw_lines() == [], process.log_tail()
+    assert process.events_named("stopped_while_starting") and not process.events_named("worker_started")
