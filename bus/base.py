@@ -155,6 +155,7 @@ def offer(waiting: list[Delivery], accept: Accept, aging_s: float) -> list[Deliv
 
 class Bus(ABC):
     max_message_bytes: int | None = None  # the largest message it carries (encoded); None: no limit
+    where = "the in-process bus"  # what it is, in an error that blames it (Kafka: its brokers' addresses)
 
     async def publish_or_log(self, topic: str, message: BusMessage, event: str) -> bool:
         """Publish a message whose loss the protocol tolerates (a heartbeat, a goodbye, events nobody

@@ -318,6 +318,7 @@ class KafkaBus(Bus):
     def __init__(self, settings: KafkaSettings, client_id: str) -> None:
         self._settings = settings
         self._client_id = client_id
+        self.where = f"the Kafka broker at {settings.bootstrap_servers}"
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._offsets: AIOKafkaConsumer | None = None
@@ -466,7 +467,11 @@ class KafkaBus(Bus):
             sender = producer._sender.sender_task
             if isinstance(error, _PRODUCER_BROKEN) or (sender is not None and sender.done()):
                 await self._replace_producer(producer, error)
-            raise BusUnavailable(f"cannot publish to {topic}: {error!r}") from error
+            if isinstance(error, TimeoutError):
+                reason = f"did not take a message for {topic} within {self._settings.publish_timeout_s:g} s"
+            else:
+                reason = f"refused a message for {topic}: {error}"
+            raise BusUnavailable(f"{self.where} {reason}") from error
 
     def _consumer(self, *topics: str, **overrides) -> AIOKafkaConsumer:
         return AIOKafkaConsumer(

@@ -68,6 +68,12 @@ class PeerClock:
         """Whether own heartbeats come back (none missed but the one on its way)."""
         return self._own_heard_at is not None and now - self._own_heard_at <= 2.5 * self._interval_s
 
+    def silent_for(self, now: float) -> float | None:
+        """How long own heartbeats have not come back, once they did and stopped; None while they come."""
+        if self._own_heard_at is None or self.working(now):
+            return None
+        return now - self._own_heard_at
+
     def gone(self, peer: str, now: float) -> bool:
         """Said goodbye, or silent for `silence_s` of a working topic. An unknown peer is not gone."""
         if peer in self._left:

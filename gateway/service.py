@@ -47,7 +47,7 @@ from schemas.messages import (
     WorkerLoad,
     encode,
 )
-from tokenrelay.metrics import metrics_of, record_backlog
+from tokenrelay.metrics import metrics_of, record_backlog, snake
 
 log = structlog.get_logger(__name__)
 
@@ -225,8 +225,17 @@ class GatewayService:
         """The served model clients call `name`; 404 if nobody serves it, 503 if nobody does now (or has yet)."""
         model = self.directory.announced(name)
         if not self.directory.live_workers(model.name):
-            raise unavailable(f"no worker is serving model {name} right now")
+            raise unavailable(self.bus_trouble() or f"no worker is serving model {name} right now")
         return model
+
+    def bus_trouble(self) -> str | None:
+        """Why nothing can be heard, when the bus is the reason: what a 503 should blame instead of the workers."""
+        silent_s = self._failover.workers.silent_for(time.monotonic())
+        if silent_s is None:
+            return None
+        return (
+            f"{self._bus.where} has not carried this gateway's heartbeats for {silent_s:.0f} s: no worker can be heard"
+        )
 
     @property
     def settings(self) -> GatewaySettings:
@@ -281,7 +290,7 @@ class GatewayService:
         )
         structlog.contextvars.bind_contextvars(generation_id=generation_id)
         if self.draining:
-            self._metrics.failures.labels(model.name, SERVICE_UNAVAILABLE).inc()
+            self._metrics.failures.labels(model.name, snake(SERVICE_UNAVAILABLE)).inc()
             raise ApiError(
                 503,
                 SERVICE_UNAVAILABLE,
@@ -290,7 +299,7 @@ class GatewayService:
             )
         self._check_size(request)
         if len(self.inflight) >= self._settings.max_in_flight:
-            self._metrics.failures.labels(model.name, TOO_MANY_REQUESTS).inc()
+            self._metrics.failures.labels(model.name, snake(TOO_MANY_REQUESTS)).inc()
             log.warning("request_refused", reason="in-flight limit", in_flight=len(self.inflight))
             raise ApiError(
                 429,
@@ -351,7 +360,7 @@ class GatewayService:
         for inflight in requests:
             if self._dispatcher.release(inflight):
                 inflight.stop_unstarted()
-                self._metrics.cancellations.labels(inflight.request.model, "stopInfer").inc()
+                self._metrics.cancellations.labels(inflight.request.model, snake("stopInfer")).inc()
             else:
                 await self._cancel(inflight, "stopInfer")
 
@@ -365,7 +374,7 @@ class GatewayService:
             )
         except (BusUnavailable, UnknownTopic) as error:
             raise unavailable(f"the message bus cannot take the cancellation now: {error}") from error
-        self._metrics.cancellations.labels(inflight.request.model, reason).inc()
+        self._metrics.cancellations.labels(inflight.request.model, snake(reason)).inc()
         log.info(
             "request_cancelled",
             **inflight.request.log_ids(),

@@ -67,6 +67,7 @@ async def test_a_broker_outage_under_load_ends_every_stream_and_service_resumes_
                     assert time.monotonic() - started < 2.0
                     assert response.status_code == 503, response.text
                     assert response.json()["error_type"] == "Service Unavailable"
+                    assert f"the Kafka broker at {bootstrap}" in response.json()["error"]  # not "no worker"
                     await asyncio.sleep(1.0)
 
                 await asyncio.to_thread(_broker, "start", port, data)
