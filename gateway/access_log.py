@@ -11,8 +11,8 @@ included.
   logged for it carries it.
 - One line per HTTP request once its answer is sent (a stream's when it
   ends): event `http_request` of the logger `gateway.access`, at info below
-  400, warning for 4xx, error for 5xx. It replaces uvicorn's access log
-  (off: see tokenrelay/cli.py).
+  400, warning for 4xx and 503 (a state, not a fault), error for other 5xx.
+  It replaces uvicorn's access log (off: see tokenrelay/http_server.py).
 - Every answer counted in `tokenrelay_gateway_http_responses_total`, by
   route template and status: refusals are counted too, which the request
   metrics (tokenrelay/metrics.py) cannot see.
@@ -73,7 +73,9 @@ def client_of(scope: Scope) -> str | None:
 
 
 def level_of(status: int) -> str:
-    return "info" if status < 400 else "warning" if status < 500 else "error"
+    """info below 400; warning for 4xx, and for 503, a state (starting, draining, the broker away) rather than
+    a fault of the gateway's; error for the other 5xx."""
+    return "info" if status < 400 else "warning" if status < 500 or status == 503 else "error"
 
 
 class AccessLog:

@@ -78,7 +78,7 @@ def test_refusals_before_routing_and_errors_are_logged_at_their_level(client, lo
     assert {rid: (lines[rid]["status"], lines[rid]["log_level"], lines[rid]["route"]) for rid in lines} == {
         "no-key": (401, "warning", "/v2"),
         "big": (413, "warning", "/generate"),
-        "early": (503, "error", "/v2/models/{model}/ready"),
+        "early": (503, "warning", "/v2/models/{model}/ready"),
         "lost": (404, "warning", "/nowhere"),
     }
 
@@ -138,7 +138,7 @@ def test_a_websocket_stream_and_its_connection_are_logged_with_their_ids(client,
         "outcome": "error",
         "status": 503,
         "events": 0,
-        "log_level": "error",
+        "log_level": "warning",
     }
     [connection] = _access(logged, "websocket_connection")
     assert (connection["request_id"], connection["streams"], connection["close_code"]) == ("conn", 1, 1000)

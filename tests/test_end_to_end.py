@@ -295,7 +295,16 @@ def test_health_and_readiness(deployment):
         f"/v2/models/{ALIAS}/ready",
     ):
         assert httpx.get(deployment.base_url + path).status_code == 200, path
-    assert httpx.get(f"{deployment.base_url}/v2/models/nope/ready").status_code == 404
+    for name in (MODEL, ALIAS):  # an alias's readiness names the model it is an alias of
+        ready = httpx.get(f"{deployment.base_url}/v2/models/{name}/ready").json()
+        assert ready == {"model": MODEL, "ready": True, "workers": 1}
+    assert httpx.get(f"{deployment.base_url}/v2/health/ready").json() == {
+        "ready": True,
+        "models": sorted([MODEL, ALIAS]),
+    }
+    unknown = httpx.get(f"{deployment.base_url}/v2/models/nope/ready")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == f"model nope is not served here; served: {', '.join(sorted([ALIAS, MODEL]))}"
 
 
 @pytest.mark.kafka
