@@ -25,6 +25,7 @@ from bus.peers import PeerClock
 from gateway.dispatch import Dispatcher
 from gateway.inflight import InFlight, InFlightRegistry
 from schemas.messages import CancelRequest, TokenEvent, TokenEvents, WorkerHeartbeat
+from tokenrelay.metrics import snake
 
 log = structlog.get_logger(__name__)
 
@@ -104,7 +105,7 @@ class Failover:
             inflight.fail(f"generation broke off {MAX_ATTEMPTS} times; last: {reason}")
             return
         request = inflight.attempt_again()
-        FAILOVERS.labels(request.model, reason).inc()
+        FAILOVERS.labels(request.model, snake(reason)).inc()
         log.warning(
             "request_failing_over",
             **request.log_ids(),

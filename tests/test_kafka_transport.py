@@ -151,7 +151,7 @@ async def test_a_client_that_leaves_costs_at_most_one_more_step_and_a_cancelled_
             [ended] = worker.events_named("request_finished")
             assert ended["finish_reason"] == "stop_sequence" and ended["generated_tokens"] < 400
             cancelled = _metric(
-                worker_metrics, "tokenrelay_worker_cancellations_total", model=MODEL, reason="client gone"
+                worker_metrics, "tokenrelay_worker_cancellations_total", model=MODEL, reason="client_gone"
             )
             assert cancelled == 1
             assert _metric(worker_metrics, "tokenrelay_worker_tokens_after_cancel_total", model=MODEL) <= 1

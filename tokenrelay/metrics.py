@@ -10,6 +10,7 @@ carries), so a worker's figures include the time the request spent in Kafka.
 from __future__ import annotations
 
 import functools
+import re
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
@@ -23,6 +24,13 @@ log = structlog.get_logger(__name__)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _TIMEOUT = "Timeout"
+
+
+def snake(value: str) -> str:
+    """A label value as Prometheus users write them: "Service Unavailable" is service_unavailable, "stopInfer"
+    stop_infer. Error types and reasons are prose in logs and answers; in labels they are identifiers."""
+    value = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", value)
+    return re.sub(r"[^a-z0-9]+", "_", value.lower()).strip("_")
 
 
 class RequestMetrics:
@@ -57,7 +65,7 @@ class RequestMetrics:
         self.waiting = Gauge(f"{name}_requests_waiting", "Requests waiting for their first token.", ["model"])
         self.requests = Counter(
             f"{name}_requests",
-            "Requests that ended, by how: a finish_reason, an error_type, or 'client gone'.",
+            "Requests that ended, by how: a finish_reason, an error_type or client_gone (in snake_case).",
             ["model", "priority", "outcome"],
         )
         self.generated_tokens = Counter(f"{name}_generated_tokens", "Tokens generated.", ["model"])
@@ -67,7 +75,7 @@ class RequestMetrics:
             ["model", "reason"],
         )
         self.cancellations = Counter(
-            f"{name}_cancellations", "Requests cancelled, by why: client gone, stopInfer, ...", ["model", "reason"]
+            f"{name}_cancellations", "Requests cancelled, by why: client_gone, stop_infer, ...", ["model", "reason"]
         )
         self.timeouts = Counter(f"{name}_timeouts", "Requests that ended at their deadline.", ["model"])
         self.consumer_lag = Gauge(
@@ -128,11 +136,11 @@ class RequestTimer:
         metrics = self._metrics
         (metrics.running if self._last_token_at is not None else metrics.waiting).labels(self._model).dec()
         metrics.e2e_latency.labels(*self._labels).observe(now - self._arrival)
-        metrics.requests.labels(*self._labels, outcome).inc()
+        metrics.requests.labels(*self._labels, snake(outcome)).inc()
         if failed and outcome == _TIMEOUT:
             metrics.timeouts.labels(self._model).inc()
         elif failed:
-            metrics.failures.labels(self._model, outcome).inc()
+            metrics.failures.labels(self._model, snake(outcome)).inc()
 
 
 async def record_backlog(bus: Bus, metrics: RequestMetrics, topic_prefix: str, model: str) -> None:

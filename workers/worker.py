@@ -43,7 +43,7 @@ from schemas.messages import (
     TokenEvents,
     WorkerHeartbeat,
 )
-from tokenrelay.metrics import RequestTimer, metrics_of, record_backlog
+from tokenrelay.metrics import RequestTimer, metrics_of, record_backlog, snake
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, Model
 from workers.load_report import LoadReporter
@@ -432,7 +432,7 @@ class Worker:
         taken.cancelled_at = time.monotonic()
         request = taken.delivery.request
         self._engine.cancel(request.request_id)
-        self._metrics.cancellations.labels(self.model.name, reason).inc()
+        self._metrics.cancellations.labels(self.model.name, snake(reason)).inc()
         log.info("request_cancel_received", **request.log_ids(), reason=reason)
 
     def _drop_orphans(self) -> None:
