@@ -44,23 +44,28 @@ classpath="$here/lib/*"
 
 # Ends the JVM whose pid is in $1 (SIGTERM, a clean shutdown; SIGKILL after 10 s).
 stop_pidfile() {
-  [ -f "$1" ] || return 0
   pid="$(cat "$1")"
   if kill "$pid" 2>/dev/null; then
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
+    echo "stopped the Kafka broker of $(dirname "$1") (pid $pid)" >&2
+  else
+    echo "the Kafka broker of $(dirname "$1") (pid $pid) had already exited" >&2
   fi
   rm -f "$1"
 }
 
 stop() {
-  stop_pidfile "$dir/broker.pid"
   # A cluster's nodes all at once: one by one, each clean shutdown would wait
   # for its partitions' leadership to move to nodes about to stop too.
-  for pidfile in "$dir"/node*/broker.pid; do
-    [ -f "$pidfile" ] && stop_pidfile "$pidfile" &
+  found=0
+  for pidfile in "$dir/broker.pid" "$dir"/node*/broker.pid; do
+    [ -f "$pidfile" ] || continue
+    found=1
+    stop_pidfile "$pidfile" &
   done
   wait
+  [ "$found" = 1 ] || echo "no Kafka broker runs from $dir: nothing to stop" >&2
 }
 
 fetch_jars() {
