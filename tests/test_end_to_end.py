@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class Deployment:
     base_url: str
     worker: Process  # the process whose log holds the worker's events
     processes: list[Process]
+    first_answer_s: float  # from the processes' start to their first answer
 
     @property
     def ws_url(self) -> str:
@@ -47,6 +49,7 @@ class Deployment:
 def deployment(request, tmp_path_factory):
     logs = tmp_path_factory.mktemp(request.param)
     port = free_port()
+    spawned_at = time.monotonic()
     names = ["--served-model-name", MODEL, ALIAS]
     if request.param == "serve":
         serve = spawn_tokenrelay(["serve", "--port", str(port), "--worker-id", WORKER_ID, *names], logs / "serve.log")
@@ -64,7 +67,9 @@ def deployment(request, tmp_path_factory):
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base_url, MODEL, processes)
-        yield Deployment(base_url, worker, processes)
+        first = httpx.post(f"{base_url}/v2/models/{MODEL}/generate", json={"text_input": PROMPT}, timeout=60)
+        assert first.status_code == 200, first.text
+        yield Deployment(base_url, worker, processes, first_answer_s=time.monotonic() - spawned_at)
     finally:
         for process in processes:
             assert process.stop() == 0, process.log_tail()
@@ -87,6 +92,13 @@ def _stream_events(base_url: str, model: str, body: dict) -> list[dict]:
 
 def _finished(worker: Process, reason: str) -> list[dict]:
     return [e for e in worker.events_named("request_finished") if e["finish_reason"] == reason]
+
+
+def test_the_first_answer_comes_seconds_after_the_start(deployment, request, capsys):
+    topology = request.node.callspec.params["deployment"]
+    with capsys.disabled():  # the figure, for the record; the clock of a shared machine is no assertion
+        sys.stderr.write(f"\n{topology}: first answer {deployment.first_answer_s:.1f} s after the start\n")
+    assert deployment.first_answer_s < 180  # wait_ready's own bound: it answered at all
 
 
 def test_generate_answers_what_transformers_generates_up_to_eos(deployment):
