@@ -22,7 +22,7 @@ import structlog
 
 from bus.base import Bus
 from bus.local import LocalBus, LocalBusServer
-from tokenrelay.worker_parts import CannotStart
+from tokenrelay.lifecycle import CannotStart
 
 log = structlog.get_logger(__name__)
 
@@ -143,13 +143,8 @@ def engine_main(argv: list[str], socket_path: str) -> None:
     def asks_to_stop(stop_asked) -> None:  # the serve process asks, over the socket
         bus.stop_asked = stop_asked
 
-    try:
+    def run() -> bool:
         worker = build_worker(args, bus, worker_id(args))
-        ok = asyncio.run(lifecycle.run(bus, None, [worker], args.drain_timeout, asks_to_stop=asks_to_stop))
-    except CannotStart as error:
-        log.error("cannot_start", error=str(error))
-        ok = False
-    except Exception:
-        log.exception("failed")
-        ok = False
-    lifecycle.exit_now(ok)
+        return asyncio.run(lifecycle.run(bus, None, [worker], args.drain_timeout, asks_to_stop=asks_to_stop))
+
+    lifecycle.exit_with(run)

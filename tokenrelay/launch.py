@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import prometheus_client
 import structlog
 
-from bus.base import Bus, BusUnavailable
+from bus.base import Bus
 from bus.inprocess import InProcessBus
 from tokenrelay import lifecycle
 from tokenrelay.engine_process import EngineProcess
-from tokenrelay.worker_parts import CannotStart, build_worker, worker_id
+from tokenrelay.worker_parts import build_worker, worker_id
 
 if TYPE_CHECKING:
     from bus.kafka import KafkaBus
@@ -41,7 +41,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_while_starting)
-    try:
+
+    def run() -> bool:
         if args.command == "serve":
             bus: Bus = InProcessBus(args.max_message_bytes)
             engine = EngineProcess(bus, argv)
@@ -68,17 +69,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
         # A worker's /metrics answers once it has loaded its model and joined its group: a readiness probe.
         address = getattr(args, "metrics_address", "")
         started = functools.partial(_serve_metrics, address) if address else None
-        ok = asyncio.run(lifecycle.run(bus, *parts, args.drain_timeout, started=started))
-    except BusUnavailable as error:
-        log.error("kafka_unreachable", error=str(error))
-        ok = False
-    except CannotStart as error:
-        log.error("cannot_start", error=str(error))
-        ok = False
-    except Exception:
-        log.exception("failed")
-        ok = False
-    lifecycle.exit_now(ok)
+        return asyncio.run(lifecycle.run(bus, *parts, args.drain_timeout, started=started))
+
+    lifecycle.exit_with(run)
 
 
 def _check_kafka(args: argparse.Namespace) -> None:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
+from bus.base import BusUnavailable
+
 if TYPE_CHECKING:
     from bus.base import Bus
     from gateway.service import GatewayService
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("tokenrelay")
 
 STOP_TIMEOUT_S = 15.0  # after a drain: stopping takes a second or two (an engine process's 10 s kill at most)
+
+
+class CannotStart(Exception):
+    """A flag names what cannot be had (no such model or profile): said in one line, without a traceback."""
 
 
 class Part(Protocol):
@@ -150,6 +156,23 @@ async def _drain(
         log.error("drain_failed", error=repr(draining.exception()))
         return False
     return not failed
+
+
+def exit_with(main: Callable[[], bool]) -> None:
+    """Exit with the status of `main()` (which builds the parts and runs them), saying in one line why it could
+    not start when a user can act on the reason."""
+    try:
+        ok = main()
+    except BusUnavailable as error:
+        log.error("kafka_unreachable", error=str(error))
+        ok = False
+    except CannotStart as error:
+        log.error("cannot_start", error=str(error))
+        ok = False
+    except Exception:
+        log.exception("failed")
+        ok = False
+    exit_now(ok)
 
 
 def exit_now(ok: bool) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from tokenrelay.lifecycle import CannotStart
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
 
 if TYPE_CHECKING:
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
     from workers.worker import Worker
 
 log = structlog.get_logger("tokenrelay")
-
-
-class CannotStart(Exception):
-    """A flag names what cannot be had (no such model or profile): said in one line, without a traceback."""
 
 
 def worker_id(args: argparse.Namespace) -> str:
