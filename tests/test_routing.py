@@ -24,8 +24,8 @@ async def _generate(client: httpx.AsyncClient, base: str, text: str, tokens: int
     return response.json()
 
 
-def _routed_to(gateway, request_id: str) -> str:
-    routes = [e["worker_id"] for e in gateway.events_named("request_routed") if e["request_id"] == request_id]
+def _routed_to(gateway, generation_id: str) -> str:
+    routes = [e["worker_id"] for e in gateway.events_named("request_routed") if e["generation_id"] == generation_id]
     assert len(routes) == 1, gateway.log_tail()
     return routes[0]
 

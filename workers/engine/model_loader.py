@@ -17,6 +17,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from workers.bundled import DTYPE_NAMES
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+# Our logs are JSON lines: no progress bars, and transformers' lines go through the root logger
+# (tokenrelay/logs.py) rather than its own handler's plain text.
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.disable_default_handler()
+transformers.utils.logging.enable_propagation()
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 
 
@@ -88,7 +94,6 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None) -> Loa
     """Load from a local directory or a hub id: bf16 on CUDA, fp32 on the CPU, unless `dtype` says otherwise."""
     target = pick_device(device)
     chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
-    transformers.utils.logging.disable_progress_bar()  # our logs are JSON lines
     if _is_vision(AutoConfig.from_pretrained(path)):
         # Here only: AutoProcessor imports torchvision and with it torch._dynamo, 5 s on a small CPU.
         from transformers import AutoProcessor
