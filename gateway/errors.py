@@ -29,6 +29,10 @@ class ErrorBody(BaseModel):
     error_type: str
 
 
+# What a generation route (MindIE, Triton, TGI) may answer besides its 200, for the OpenAPI document.
+GENERATION_ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 424, 429, 500, 503, 504)}
+
+
 class ApiError(Exception):
     """Raised anywhere in a request's handling; answered with its status and body."""
 

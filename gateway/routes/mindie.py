@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
-from gateway.errors import ErrorBody
+from gateway.errors import GENERATION_ERRORS, ErrorBody
 from gateway.generation import complete, error_object, sse_response, start, stream
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
@@ -31,7 +31,7 @@ _RESPONSES = {
         "description": "One JSON answer; with `stream`, one `data: {...}` event per token.",
         "content": _STREAM,
     },
-    **{status: {"model": ErrorBody} for status in (404, 413, 422, 424, 500, 503, 504)},
+    **GENERATION_ERRORS,
 }
 
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
-from gateway.errors import ErrorBody, unprocessable
+from gateway.errors import GENERATION_ERRORS, ErrorBody, unprocessable
 from gateway.generation import Completion, complete_all, error_object, sse_response, start, start_each, stream
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
@@ -26,7 +26,6 @@ from schemas.tgi import TgiRequest, TgiResponse, TgiStreamEvent
 
 router = APIRouter(tags=["TGI-compatible"])
 
-_ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 424, 429, 500, 503, 504)}
 _NO_TOKEN = {"id": -1, "text": "", "logprob": None, "special": True}
 
 
@@ -120,7 +119,10 @@ async def stream_objects(connection: HTTPConnection, body: TgiRequest) -> AsyncI
 @router.post(
     "/generate",
     response_model=TgiResponse,
-    responses={200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream.", ErrorBody), **_ERRORS},
+    responses={
+        200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream.", ErrorBody),
+        **GENERATION_ERRORS,
+    },
 )
 async def generate(body: TgiRequest, request: Request):
     """Generate text for `inputs` and answer with all of it (or stream it, with `stream`)."""
@@ -171,14 +173,17 @@ def _details(body: TgiRequest, done: Completion, inflight: InFlight) -> dict:
 router.post(
     "/",
     response_model=TgiResponse,
-    responses={200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream.", ErrorBody), **_ERRORS},
+    responses={
+        200: event_stream(TgiStreamEvent, "With `stream`: as /generate_stream.", ErrorBody),
+        **GENERATION_ERRORS,
+    },
     summary="Generate (TGI's root route)",
 )(generate)
 
 
 @router.post(
     "/generate_stream",
-    responses={200: event_stream(TgiStreamEvent, "One `data:{...}` event per token.", ErrorBody), **_ERRORS},
+    responses={200: event_stream(TgiStreamEvent, "One `data:{...}` event per token.", ErrorBody), **GENERATION_ERRORS},
 )
 async def generate_stream(body: TgiRequest, request: Request) -> StreamingResponse:
     """Generate text for `inputs` and stream it as server-sent events, one token per event."""

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
-from gateway.errors import ErrorBody, not_found
+from gateway.errors import GENERATION_ERRORS, ErrorBody, not_found
 from gateway.generation import complete, error_object, sse_response, start, stream
 from gateway.openapi import event_stream
 from gateway.prompts import multimodal_prompt
@@ -29,8 +29,6 @@ from schemas.triton import (
 )
 
 router = APIRouter(tags=["Triton-compatible"])
-
-_ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 424, 500, 503, 504)}
 
 
 def stream_event(client_id: str, model_name: str, event: TokenEvent, text: str, details: bool) -> dict:
@@ -83,7 +81,7 @@ async def stream_objects(
     return render()
 
 
-@router.post("/v2/models/{model}/generate", response_model=GenerateResponse, responses=_ERRORS)
+@router.post("/v2/models/{model}/generate", response_model=GenerateResponse, responses=GENERATION_ERRORS)
 async def generate(model: str, body: GenerateRequest, request: Request) -> JSONResponse:
     """Generate text for a prompt and answer with all of it at once."""
     service: GatewayService = request.app.state.gateway
@@ -103,14 +101,14 @@ async def generate(model: str, body: GenerateRequest, request: Request) -> JSONR
 
 @router.post(
     "/v2/models/{model}/generate_stream",
-    responses={200: event_stream(StreamEvent, "One `data:{...}` event per token.", ErrorBody), **_ERRORS},
+    responses={200: event_stream(StreamEvent, "One `data:{...}` event per token.", ErrorBody), **GENERATION_ERRORS},
 )
 async def generate_stream(model: str, body: GenerateStreamRequest, request: Request) -> StreamingResponse:
     """Generate text for a prompt and stream it as server-sent events, `data:{...}` per token."""
     return sse_response(await stream_objects(request, model, body), space=False)
 
 
-@router.post("/v2/models/{model}/infer", response_model=InferResponse, responses=_ERRORS)
+@router.post("/v2/models/{model}/infer", response_model=InferResponse, responses=GENERATION_ERRORS)
 async def infer(model: str, body: InferRequest, request: Request) -> JSONResponse:
     """Generate from prompt token ids; answer with the generated token ids."""
     service: GatewayService = request.app.state.gateway
@@ -120,7 +118,7 @@ async def infer(model: str, body: InferRequest, request: Request) -> JSONRespons
     return JSONResponse({"id": inflight.client_id, "outputs": [{**output, "data": done.token_ids}]})
 
 
-@router.post("/v2/models/{model}/stopInfer", response_model=StopInferRequest, responses=_ERRORS)
+@router.post("/v2/models/{model}/stopInfer", response_model=StopInferRequest, responses=GENERATION_ERRORS)
 async def stop_infer(model: str, body: StopInferRequest, request: Request) -> StopInferRequest:
     """Stop the running request with this id; its stream ends with finish_reason stop_sequence."""
     service: GatewayService = request.app.state.gateway
