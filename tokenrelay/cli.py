@@ -329,7 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "bench":
         logs.configure("warning", process="bench")
         module = f"tokenrelay.bench.{args.benchmark}"
-        importlib.import_module(module).main(args.options)
+        try:
+            importlib.import_module(module).main(args.options)
+        except KeyboardInterrupt:  # Ctrl-C ends a benchmark (its processes stopped on the way out), quietly
+            sys.exit(130)
         return
     logs.configure(args.log_level, process=args.command)
     if args.command == "up":

@@ -99,8 +99,9 @@ async def run(
     finally:
         if server is not None:
             server.should_exit = True
-        stopping = asyncio.create_task(_stop(bus, workers, tasks))
-        if not (await asyncio.wait({stopping}, timeout=STOP_TIMEOUT_S))[0]:
+        # A task of its own, under a name of its own: a signal that comes now still finds the `stopping` event.
+        stopped = asyncio.create_task(_stop(bus, workers, tasks))
+        if not (await asyncio.wait({stopped}, timeout=STOP_TIMEOUT_S))[0]:
             # Exit anyway (the gateways fail over what a worker still held), and say what did not stop.
             stuck = {t.get_name(): repr(t.get_stack(limit=4)) for t in asyncio.all_tasks() if not t.done()}
             log.error("stop_stuck", seconds=STOP_TIMEOUT_S, tasks=stuck)

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections import Counter
 from contextlib import ExitStack
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -37,7 +38,8 @@ import httpx
 from tokenrelay.bench.chaos import FAILURES, OUTCOMES, Refused, judge, kinds, stream
 from tokenrelay.topology import free_port, local_broker, spawn, wait_ready
 
-_HURRY_AFTER_S = 0.2  # the second SIGTERM, after the first, of the worker whose drain is cut short
+_HURRY_AFTER_S = 0.05  # the second SIGTERM, after the first, of the worker whose drain is cut short
+_JUST_ADMITTED_S = 0.1
 _RETRY_PAUSE_S = 0.05
 
 
@@ -122,8 +124,13 @@ def _events(log: Path, name: str) -> list[dict]:
 
 
 async def _busy(log: Path, running: int) -> None:
-    """Until the worker logging to `log` runs at least `running` requests."""
-    while len(_events(log, "request_admitted")) - len(_events(log, "request_finished")) < running:
+    """Until the worker logging to `log` runs at least `running` requests, the last one admitted just now: a
+    drain cut short _HURRY_AFTER_S later still finds it running, however near their end the others are."""
+    while True:
+        admitted = _events(log, "request_admitted")
+        if len(admitted) - len(_events(log, "request_finished")) >= running:
+            if time.time() - datetime.fromisoformat(admitted[-1]["timestamp"]).timestamp() < _JUST_ADMITTED_S:
+                return
         await asyncio.sleep(0.02)
 
 
