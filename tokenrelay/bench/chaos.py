@@ -87,13 +87,18 @@ def kinds(count: int, seed: int) -> list[Kind]:
 
 
 class Refused(RuntimeError):
-    """A gateway refused the request before starting it, as it does while it drains (503): send it elsewhere."""
+    """A gateway refused the request before answering it: a 503 while it drains, a connection refused, or one
+    closed under the request as the gateway stops (HTTP/1.1's keep-alive race). Send it elsewhere."""
 
 
 async def stream(client: httpx.AsyncClient, url: str, kind: Kind) -> Stream:
-    """One generate_stream; raises RuntimeError for an HTTP error or an error event (Refused: a draining gateway)."""
+    """One generate_stream; raises RuntimeError for an HTTP error or an error event (Refused: see there)."""
     texts, counts, times = [], [], []
-    async with client.stream("POST", url, json=kind.body()) as response:
+    try:
+        response = await client.send(client.build_request("POST", url, json=kind.body()), stream=True)
+    except httpx.TransportError as error:  # no answer began
+        raise Refused(f"{url}: {type(error).__name__} {error}") from error
+    try:
         if response.status_code != 200:
             body = await response.aread()
             if response.status_code == 503 and b"shutting down" in body:
@@ -107,6 +112,8 @@ async def stream(client: httpx.AsyncClient, url: str, kind: Kind) -> Stream:
                 texts.append(event["text_output"])
                 counts.append(event["details"]["generated_tokens"])
                 times.append(time.monotonic())
+    finally:
+        await response.aclose()
     return Stream("".join(texts), counts, times)
 
 
@@ -207,7 +214,7 @@ async def run_chaos(
                     ended("hung")
                 except (RuntimeError, httpx.HTTPError) as error:
                     ended("lost")
-                    errors[str(error)[:120]] += 1
+                    errors[f"{type(error).__name__}: {error}"[:120]] += 1
                 n += concurrency
 
         async def ticker() -> None:

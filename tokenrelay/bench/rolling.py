@@ -161,7 +161,7 @@ async def run_rolling(
             while True:
                 try:
                     return judge(await stream(client, endpoint(n), request_kinds[kind]), references[kind])
-                except (Refused, httpx.ConnectError):  # before anything was sent to a worker
+                except Refused:  # before anything was sent to a worker
                     tally["retried"] += 1
                     n += 1
                     await asyncio.sleep(_RETRY_PAUSE_S)
@@ -174,7 +174,7 @@ async def run_rolling(
                     tally["hung"] += 1
                 except (RuntimeError, httpx.HTTPError) as error:
                     tally["lost"] += 1
-                    errors[str(error)[:120]] += 1
+                    errors[f"{type(error).__name__}: {error}"[:120]] += 1
                 n += concurrency
 
         async def roll() -> None:
