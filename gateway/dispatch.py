@@ -64,11 +64,7 @@ class Dispatcher:
         if await self._send(inflight, time.monotonic()) != _SENT:
             self._held[inflight] = time.monotonic()
             HELD.labels(inflight.request.model).inc()
-            log.info(
-                "request_held",
-                **inflight.request.log_ids(),
-                held=len(self._held),
-            )
+            log.info("request_held", **inflight.request.log_ids(), held=len(self._held))
             self._wake.set()  # a wait for a cache ends by the clock, not by a report
 
     def release(self, inflight: InFlight) -> bool:
@@ -84,11 +80,7 @@ class Dispatcher:
         if outcome == _NO_WORKER:
             topic = request_topic(self._topic_prefix, inflight.request.model, inflight.request.priority)
             await self._bus.publish(topic, inflight.request)
-            log.info(
-                "request_queued",
-                **inflight.request.log_ids(),
-                topic=topic,
-            )
+            log.info("request_queued", **inflight.request.log_ids(), topic=topic)
             return _SENT
         return outcome
 
@@ -141,11 +133,7 @@ class Dispatcher:
                 try:
                     outcome = await self._send(inflight, self._held[inflight])
                 except (BusUnavailable, UnknownTopic) as error:
-                    log.warning(
-                        "held_request_not_published",
-                        **inflight.request.log_ids(),
-                        error=str(error),
-                    )
+                    log.warning("held_request_not_published", **inflight.request.log_ids(), error=str(error))
                     break
                 if outcome == _NO_ROOM:
                     # No room for the most urgent held, none for the less urgent either; the wait for

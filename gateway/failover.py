@@ -96,12 +96,7 @@ class Failover:
     def _fail_over(self, inflight: InFlight, reason: str) -> None:
         worker = inflight.worker_id
         if inflight.request.attempt + 1 >= MAX_ATTEMPTS:
-            log.error(
-                "request_abandoned",
-                **inflight.request.log_ids(),
-                reason=reason,
-                worker_id=worker,
-            )
+            log.error("request_abandoned", **inflight.request.log_ids(), reason=reason, worker_id=worker)
             inflight.fail(f"generation broke off {MAX_ATTEMPTS} times; last: {reason}")
             return
         request = inflight.attempt_again()
@@ -136,11 +131,7 @@ class Failover:
                 await self._bus.publish(self._control_topic, fence)
                 await self._dispatcher.dispatch(inflight)
             except (BusUnavailable, UnknownTopic) as error:
-                log.warning(
-                    "failover_not_published",
-                    **request.log_ids(),
-                    error=str(error),
-                )
+                log.warning("failover_not_published", **request.log_ids(), error=str(error))
                 self._unpublished.add(inflight)
                 return
             if inflight.request is request:
