@@ -47,7 +47,7 @@ from schemas.messages import (
     WorkerLoad,
     encode,
 )
-from tokenrelay.metrics import metrics_of, record_backlog, snake
+from tokenrelay.metrics import metrics_of, record_backlog
 
 log = structlog.get_logger(__name__)
 
@@ -290,7 +290,7 @@ class GatewayService:
         )
         structlog.contextvars.bind_contextvars(generation_id=generation_id)
         if self.draining:
-            self._metrics.failures.labels(model.name, snake(SERVICE_UNAVAILABLE)).inc()
+            self._metrics.failed(model.name, SERVICE_UNAVAILABLE)
             raise ApiError(
                 503,
                 SERVICE_UNAVAILABLE,
@@ -299,7 +299,7 @@ class GatewayService:
             )
         self._check_size(request)
         if len(self.inflight) >= self._settings.max_in_flight:
-            self._metrics.failures.labels(model.name, snake(TOO_MANY_REQUESTS)).inc()
+            self._metrics.failed(model.name, TOO_MANY_REQUESTS)
             log.warning("request_refused", reason="in-flight limit", in_flight=len(self.inflight))
             raise ApiError(
                 429,
@@ -360,7 +360,7 @@ class GatewayService:
         for inflight in requests:
             if self._dispatcher.release(inflight):
                 inflight.stop_unstarted()
-                self._metrics.cancellations.labels(inflight.request.model, snake("stopInfer")).inc()
+                self._metrics.cancelled(inflight.request.model, "stopInfer")
             else:
                 await self._cancel(inflight, "stopInfer")
 
@@ -374,12 +374,8 @@ class GatewayService:
             )
         except (BusUnavailable, UnknownTopic) as error:
             raise unavailable(f"the message bus cannot take the cancellation now: {error}") from error
-        self._metrics.cancellations.labels(inflight.request.model, snake(reason)).inc()
-        log.info(
-            "request_cancelled",
-            **inflight.request.log_ids(),
-            reason=reason,
-        )
+        self._metrics.cancelled(inflight.request.model, reason)
+        log.info("request_cancelled", **inflight.request.log_ids(), reason=reason)
 
     def _check_size(self, request: GenerationRequest) -> None:
         """413 for a request larger on the bus than the bus carries: refused here, before it is published."""
@@ -413,8 +409,4 @@ class GatewayService:
         try:
             await self._cancel(inflight, reason)
         except ApiError as error:  # nobody to answer: the worker's own deadline ends the request
-            log.warning(
-                "cancel_not_published",
-                **inflight.request.log_ids(),
-                error=error.body.error,
-            )
+            log.warning("cancel_not_published", **inflight.request.log_ids(), error=error.body.error)

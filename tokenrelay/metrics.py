@@ -26,6 +26,7 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 _TIMEOUT = "Timeout"
 
 
+@functools.lru_cache(maxsize=1024)  # a few reasons and error types, met on every request's end
 def snake(value: str) -> str:
     """A label value as Prometheus users write them: "Service Unavailable" is service_unavailable, "stopInfer"
     stop_infer. Error types and reasons are prose in logs and answers; in labels they are identifiers."""
@@ -84,6 +85,12 @@ class RequestMetrics:
             ["model", "priority"],
         )
 
+    def failed(self, model: str, error_type: str) -> None:
+        self.failures.labels(model, snake(error_type)).inc()
+
+    def cancelled(self, model: str, reason: str) -> None:
+        self.cancellations.labels(model, snake(reason)).inc()
+
 
 @functools.cache
 def metrics_of(component: str) -> RequestMetrics:
@@ -140,7 +147,7 @@ class RequestTimer:
         if failed and outcome == _TIMEOUT:
             metrics.timeouts.labels(self._model).inc()
         elif failed:
-            metrics.failures.labels(self._model, snake(outcome)).inc()
+            metrics.failed(self._model, outcome)
 
 
 async def record_backlog(bus: Bus, metrics: RequestMetrics, topic_prefix: str, model: str) -> None:

@@ -43,7 +43,7 @@ from schemas.messages import (
     TokenEvents,
     WorkerHeartbeat,
 )
-from tokenrelay.metrics import RequestTimer, metrics_of, record_backlog, snake
+from tokenrelay.metrics import RequestTimer, metrics_of, record_backlog
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, Model
 from workers.load_report import LoadReporter
@@ -221,11 +221,7 @@ class Worker:
     def _hand_back(self, delivery: Delivery) -> None:
         self._handed_back[delivery.request.request_id] = delivery.request.attempt
         self._finished(delivery)
-        log.info(
-            "request_handed_back",
-            **delivery.request.log_ids(),
-            attempt=delivery.request.attempt,
-        )
+        log.info("request_handed_back", **delivery.request.log_ids(), attempt=delivery.request.attempt)
 
     async def stop(self) -> None:
         await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
@@ -314,26 +310,13 @@ class Worker:
             self._cancel(running, "superseded")
             return False
         elif cancel is not None and cancel.covers(request.attempt):
-            log.info(
-                "request_skipped",
-                **request.log_ids(),
-                attempt=request.attempt,
-                reason=cancel.reason,
-            )
+            log.info("request_skipped", **request.log_ids(), attempt=request.attempt, reason=cancel.reason)
             self._drops.append((delivery, None))
         elif self._gateways.gone(request.reply_to, time.monotonic()):
-            log.info(
-                "request_skipped",
-                **request.log_ids(),
-                reason="its gateway is gone",
-            )
+            log.info("request_skipped", **request.log_ids(), reason="its gateway is gone")
             self._drops.append((delivery, None))
         elif time.time() > request.deadline:
-            log.info(
-                "request_skipped",
-                **request.log_ids(),
-                reason="expired while queued",
-            )
+            log.info("request_skipped", **request.log_ids(), reason="expired while queued")
             message = f"request {request.request_id} expired in the queue"
             self._drops.append((delivery, ErrorInfo(message=message, error_type="Timeout", status=504)))
         elif self._has_room(request.priority):
@@ -432,7 +415,7 @@ class Worker:
         taken.cancelled_at = time.monotonic()
         request = taken.delivery.request
         self._engine.cancel(request.request_id)
-        self._metrics.cancellations.labels(self.model.name, snake(reason)).inc()
+        self._metrics.cancelled(self.model.name, reason)
         log.info("request_cancel_received", **request.log_ids(), reason=reason)
 
     def _drop_orphans(self) -> None:
