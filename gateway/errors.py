@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from schemas.placement import as_named, discriminator_values, where_it_belongs
+from schemas.placement import as_named, discriminator_values, dotted, where_it_belongs
 
 VALIDATION_ERROR = "Input Validation Error"
 PAYLOAD_TOO_LARGE = "Payload Too Large"
@@ -61,15 +61,11 @@ def _location(error: dict) -> tuple[str | int, ...]:
     return location[1:] if location[:1] == ("body",) else location
 
 
-def _dotted(location: tuple[str | int, ...]) -> str:
-    return ".".join(str(part) for part in location)
-
-
 def offending_field(error: dict) -> str | None:
     """The dotted name of the field a pydantic error is about ("messages.0.role"); None for the body as a whole."""
     if error.get("type") == "json_invalid":  # its location is a position in the text, not a field
         return None
-    return _dotted(_location(error)) or None
+    return dotted(_location(error)) or None
 
 
 def describe_validation_error(error: dict, body_type: Any = None) -> str:
@@ -78,7 +74,7 @@ def describe_validation_error(error: dict, body_type: Any = None) -> str:
     `body_type`, the type the body was validated as, lets a misplaced field's error say where it belongs.
     """
     location = _location(error)
-    field = _dotted(as_named(body_type, location) if body_type is not None else location) or "body"
+    field = dotted(as_named(body_type, location) if body_type is not None else location) or "body"
     context = error.get("ctx", {})
     if error.get("type") == "json_invalid":
         return f"the body is not valid JSON: {context.get('error', error.get('msg'))}"

@@ -75,7 +75,7 @@ def _install_pages(app: FastAPI) -> None:
 
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "").rstrip("/")  # behind a proxy that serves the app under a prefix
+        root = _root(request)
         return get_swagger_ui_html(
             openapi_url=f"{root}{app.openapi_url}",
             title=f"{app.title} - Swagger UI",
@@ -86,7 +86,7 @@ def _install_pages(app: FastAPI) -> None:
 
     @app.get("/redoc", include_in_schema=False)
     async def redoc(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "").rstrip("/")
+        root = _root(request)
         return get_redoc_html(
             openapi_url=f"{root}{app.openapi_url}",
             title=f"{app.title} - ReDoc",
@@ -94,6 +94,11 @@ def _install_pages(app: FastAPI) -> None:
             redoc_favicon_url=f"{root}{FAVICON}",
             with_google_fonts=False,
         )
+
+
+def _root(request: Request) -> str:
+    """The prefix the app is served under, behind a proxy that serves it under one ("" otherwise)."""
+    return request.scope.get("root_path", "").rstrip("/")
 
 
 def _correct(document: dict, keys_required: Callable[[str], bool]) -> None:

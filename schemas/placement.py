@@ -63,7 +63,8 @@ def as_named(root: Any, location: Location) -> Location:
     return tuple(location[index] for index in named)
 
 
-def _path(location: Location) -> str:
+def dotted(location: Location) -> str:
+    """A location as a body's field path: "messages.0.role"."""
     return ".".join(str(part) for part in location)
 
 
@@ -77,14 +78,14 @@ def where_it_belongs(root: Any, location: Location) -> str | None:
     for model in models:
         for field, info in _fields(model).items():
             if any(name in _fields(inner) for inner in _models(info.annotation)):
-                return f"in {_path((*(container[i] for i in named), field))}"
+                return f"in {dotted((*(container[i] for i in named), field))}"
     fields = [index for index in named if isinstance(container[index], str)]
     if not fields:
         return None
     around = tuple(container[: fields[-1]])
     if any(name in _fields(model) for model in _walk(root, around)[0]):
         named_around = as_named(root, around)
-        return f"in {_path(named_around)}" if named_around else "at the top level"
+        return f"in {dotted(named_around)}" if named_around else "at the top level"
     return None
 
 
