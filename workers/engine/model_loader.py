@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from workers.bundled import DTYPE_NAMES
 
@@ -23,6 +23,7 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.disable_default_handler()
 transformers.utils.logging.enable_propagation()
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 
 
@@ -95,9 +96,6 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None) -> Loa
     target = pick_device(device)
     chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
     if _is_vision(AutoConfig.from_pretrained(path)):
-        # Here only: AutoProcessor imports torchvision and with it torch._dynamo, 5 s on a small CPU.
-        from transformers import AutoProcessor
-
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=chosen).to(target).eval()
         return _loaded(model, processor.tokenizer, target, str(path), processor)
