@@ -41,7 +41,7 @@ class EngineProcess:
             target=engine_main, args=(argv, self._socket), name="tokenrelay-engine"
         )
         self._ended = asyncio.Event()
-        self._drained = False  # sent the SIGTERM that drains it
+        self._drained = False  # asked to drain
 
     def spawn(self) -> None:
         """Start the process now, before any event loop: its model loads while this process builds the rest."""
@@ -97,7 +97,7 @@ class EngineProcess:
             await self._server.close()
             return
         if not self._server.connected.is_set() and not self._ended.is_set():  # loading its model: nothing to drain
-            self._process.kill()
+            self.kill()
             self._on_exit()
         if not self._ended.is_set() and not self._drained:
             await self._server.ask_to_stop()  # the first ask starts a drain...

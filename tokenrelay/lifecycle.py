@@ -41,7 +41,9 @@ class Part(Protocol):
     async def stop(self) -> None: ...
 
 
-class HttpServer(Protocol):
+class HttpPart(Protocol):
+    """The gateway's HTTP server (tokenrelay/http_server.py), which this module need not import."""
+
     gateway: GatewayService
     should_exit: bool
 
@@ -57,7 +59,7 @@ def on_signals(stop_asked: Callable[[], None]) -> None:
 
 async def run(
     bus: Bus,
-    server: HttpServer | None,
+    server: HttpPart | None,
     workers: list[Part],
     drain_timeout_s: float,
     asks_to_stop: Callable[[Callable[[], None]], None] = on_signals,

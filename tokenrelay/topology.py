@@ -165,8 +165,8 @@ def _up(args: argparse.Namespace, logs: Path, stopping: threading.Event) -> int:
         try:
             for url in urls:
                 wait_ready(url.replace("0.0.0.0", "127.0.0.1"), None, processes)
-        except RuntimeError:
-            pass  # a process died: said below
+        except RuntimeError as error:  # a process died (each is named below), or a gateway is still not ready
+            log.warning("topology_not_ready", error=str(error))
         else:
             log.info("topology_up", gateways=urls, workers=args.workers, kafka_brokers=args.kafka_brokers)
         while not stopping.wait(0.5):
