@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import tomllib
 
 import jsonschema
@@ -96,3 +97,18 @@ def test_compose_keeps_in_step_with_the_helm_chart():
     assert int(port) == values["worker"]["metricsPort"]
     assert services["worker"]["expose"] == [port]
     assert services["gateway"]["environment"]["TOKENRELAY_PORT"] == str(values["gateway"]["port"])
+
+
+def test_broker_sh_stop_says_what_it_stopped_or_that_nothing_ran(tmp_path):
+    stop = [str(REPO / "deploy/kafka/broker.sh"), "stop", "--dir", str(tmp_path)]
+    assert subprocess.run(stop, capture_output=True, text=True).stderr == (
+        f"no Kafka broker runs from {tmp_path}: nothing to stop\n"
+    )
+    running = subprocess.Popen(["sleep", "60"])  # stands for a broker: what stop does is kill the pid in the file
+    (tmp_path / "broker.pid").write_text(str(running.pid))
+    said = subprocess.run(stop, capture_output=True, text=True).stderr
+    assert said == f"stopped the Kafka broker of {tmp_path} (pid {running.pid})\n"
+    assert running.wait(5) != 0 and not (tmp_path / "broker.pid").exists()
+    (tmp_path / "broker.pid").write_text(str(running.pid))  # a pid file left by a broker that died
+    said = subprocess.run(stop, capture_output=True, text=True).stderr
+    assert said == f"the Kafka broker of {tmp_path} (pid {running.pid}) had already exited\n"
