@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 
+import httpx
 import pytest
 
 from tests.processes import TOKENRELAY
 from tests.reference import bundled
 from tokenrelay.bench import plots
-from tokenrelay.bench.chaos import OUTCOMES
+from tokenrelay.bench.chaos import OUTCOMES, Kind, Refused, stream
 from tokenrelay.bench.engine import run_static_batches, run_transformers_continuous, workload
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -89,3 +91,15 @@ def test_a_baseline_past_its_timeout_reports_what_it_made_by_then():
     assert static.timed_out and static.completed == 0 and static.output_tokens == 2 and static.requests == 4
     continuous = run_transformers_continuous(loaded, requests, timeout_s=0.0, kv_cache_bytes=64 << 20)
     assert continuous.timed_out and continuous.completed < 4  # transformers takes tens of ms for any of them
+
+
+async def test_a_connection_closed_before_any_answer_is_a_refusal_to_retry_elsewhere():
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)  # the request has begun to arrive; the gateway stops before answering it
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, httpx.AsyncClient() as client:
+        with pytest.raises(Refused, match="RemoteProtocolError|ReadError"):
+            await stream(client, f"http://127.0.0.1:{port}/v2/models/m/generate_stream", Kind("x", 1, 4))
