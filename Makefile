@@ -6,17 +6,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 KAFKA_JARS := deploy/kafka/lib/.fetched
 HELM_RENDER := .tools/bin/helm-render
+UV_VERSION := 0.13.9
+UV := .tools/uv/bin/uv
+RUFF_VERSION := 0.17.6
 
-.PHONY: install run test kafka helm-render lint gpu-check clean
+.PHONY: install lock run test kafka helm-render lint gpu-check clean
 
-# uv installs torch's wheels in seconds where pip takes minutes; it lives in the venv.
-$(BIN)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[test]'
+# uv installs torch's wheels in seconds where pip takes minutes. It lives in .tools/uv at a pinned
+# version, beside the venv rather than in it: `uv sync` makes the venv exactly what uv.lock holds.
+$(UV):
+	$(PYTHON) -m venv .tools/uv
+	.tools/uv/bin/pip install --quiet uv==$(UV_VERSION)
+
+# Exactly the versions of uv.lock (--locked: it stops if pyproject.toml has changed and the lock has not;
+# `make lock` moves the lock on purpose). The project itself is installed editable.
+$(BIN)/.installed: pyproject.toml uv.lock | $(UV)
+	UV_PYTHON_DOWNLOADS=never $(UV) sync --locked --extra test --python $(PYTHON) --quiet
+	@echo "installed from uv.lock:"; $(UV) tree --frozen --depth 1 | tail -n +2
+	@$(UV) pip list --python $(BIN)/python --format freeze | grep -E '^(triton|numpy|tokenizers|safetensors)=='
 	# Compile the engine's C++ decode kernel now (cached on disk), not in the first request's path.
 	$(BIN)/python -c "from workers.engine.attention import decode_kernel; decode_kernel()"
 	touch $@
+
+# Every dependency to its newest version that pyproject.toml allows, on purpose (then commit uv.lock).
+lock: | $(UV)
+	$(UV) lock --upgrade
 
 install: $(BIN)/.installed
 
@@ -44,10 +58,10 @@ test: install kafka helm-render
 gpu-check:
 	.ci/gpu-check
 
-# Style: ruff's rules as configured in pyproject.toml (uv fetches ruff on first use).
-lint: install
-	$(BIN)/uv tool run ruff check bus gateway schemas tokenrelay workers tests
-	$(BIN)/uv tool run ruff format --check bus gateway schemas tokenrelay workers tests
+# Style: ruff's rules as configured in pyproject.toml (uv fetches ruff, at a pinned version, on first use).
+lint: | $(UV)
+	$(UV) tool run ruff@$(RUFF_VERSION) check bus gateway schemas tokenrelay workers tests
+	$(UV) tool run ruff@$(RUFF_VERSION) format --check bus gateway schemas tokenrelay workers tests
 
 clean:
 	rm -rf $(VENV) deploy/kafka/lib .tools
