@@ -60,8 +60,8 @@ gpu-check:
 
 # Style: ruff's rules as configured in pyproject.toml (uv fetches ruff, at a pinned version, on first use).
 lint: | $(UV)
-	$(UV) tool run ruff@$(RUFF_VERSION) check bus gateway schemas tokenrelay workers tests
-	$(UV) tool run ruff@$(RUFF_VERSION) format --check bus gateway schemas tokenrelay workers tests
+	$(UV) tool run ruff@$(RUFF_VERSION) check bus gateway schemas telemetry tokenrelay workers tests
+	$(UV) tool run ruff@$(RUFF_VERSION) format --check bus gateway schemas telemetry tokenrelay workers tests
 
 clean:
 	rm -rf $(VENV) deploy/kafka/lib .tools

@@ -15,7 +15,7 @@ included.
   It replaces uvicorn's access log (off: see tokenrelay/http_server.py).
 - Every answer counted in `tokenrelay_gateway_http_responses_total`, by
   route template and status: refusals are counted too, which the request
-  metrics (tokenrelay/metrics.py) cannot see.
+  metrics (telemetry/metrics.py) cannot see.
 A WebSocket's streams have lines of their own, from gateway/routes/websocket.py.
 """
 

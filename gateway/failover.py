@@ -25,7 +25,7 @@ from bus.peers import PeerClock
 from gateway.dispatch import Dispatcher
 from gateway.inflight import InFlight, InFlightRegistry
 from schemas.messages import CancelRequest, TokenEvent, TokenEvents, WorkerHeartbeat
-from tokenrelay.metrics import snake
+from telemetry.metrics import snake
 
 log = structlog.get_logger(__name__)
 

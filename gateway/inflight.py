@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from bus.prefixes import prefix_hashes
 from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenEvents, WorkerHeartbeat
-from tokenrelay.metrics import RequestTimer, metrics_of
+from telemetry.metrics import RequestTimer, metrics_of
 
 # How long past its deadline a request waits for the worker's own timeout
 # event before the gateway ends it itself (it may still wait in a topic).

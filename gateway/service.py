@@ -47,7 +47,7 @@ from schemas.messages import (
     WorkerLoad,
     encode,
 )
-from tokenrelay.metrics import metrics_of, record_backlog
+from telemetry.metrics import metrics_of, record_backlog
 
 log = structlog.get_logger(__name__)
 

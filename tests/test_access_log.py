@@ -14,7 +14,7 @@ from tests.test_api_errors import in_process_gateway
 
 @pytest.fixture
 def logged() -> Iterator[list[dict]]:
-    """Every structlog entry while the test runs, with the context bound then (as tokenrelay/logs.py merges it)."""
+    """Every structlog entry while the test runs, with the context bound then (as telemetry/logs.py merges it)."""
     capture = structlog.testing.LogCapture()
     processors = structlog.get_config()["processors"]
     structlog.configure(processors=[structlog.contextvars.merge_contextvars, capture])

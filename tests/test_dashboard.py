@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from tokenrelay.metrics import metrics_of
+from telemetry.metrics import metrics_of
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "tokenrelay.json"
@@ -95,7 +95,7 @@ def _targets(dashboard: dict) -> list[tuple[str, dict]]:
 
 
 def test_the_registry_holds_the_gateways_and_the_workers_families(exported):
-    # The fixture's derivation is sound: a family of each type, from tokenrelay/metrics.py and from elsewhere.
+    # The fixture's derivation is sound: a family of each type, from telemetry/metrics.py and from elsewhere.
     for name in (
         "tokenrelay_gateway_time_to_first_token_seconds_bucket",
         "tokenrelay_worker_requests_total",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import time
 
-from tokenrelay.logs import RepeatFilter, demote_transient
-from tokenrelay.metrics import snake
+from telemetry.logs import RepeatFilter, demote_transient
+from telemetry.metrics import snake
 
 
 def _record(name: str, msg: str) -> logging.LogRecord:

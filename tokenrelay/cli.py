@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from tokenrelay import logs  # after parsing: --help needs none of what follows
+    from telemetry import logs  # after parsing: --help needs none of what follows
 
     if args.command == "bench":
         logs.configure("warning", process="bench")

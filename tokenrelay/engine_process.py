@@ -126,7 +126,8 @@ def engine_main(argv: list[str], socket_path: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import prometheus_client
 
-    from tokenrelay import lifecycle, logs
+    from telemetry import logs
+    from tokenrelay import lifecycle
     from tokenrelay.cli import build_parser
     from tokenrelay.worker_parts import build_worker, worker_id
 

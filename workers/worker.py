@@ -43,7 +43,7 @@ from schemas.messages import (
     TokenEvents,
     WorkerHeartbeat,
 )
-from tokenrelay.metrics import RequestTimer, metrics_of, record_backlog
+from telemetry.metrics import RequestTimer, metrics_of, record_backlog
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, Model
 from workers.load_report import LoadReporter

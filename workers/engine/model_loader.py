@@ -19,7 +19,7 @@ from workers.bundled import DTYPE_NAMES
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # Our logs are JSON lines: no progress bars, and transformers' lines go through the root logger
-# (tokenrelay/logs.py) rather than its own handler's plain text.
+# (telemetry/logs.py) rather than its own handler's plain text.
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.disable_default_handler()
 transformers.utils.logging.enable_propagation()
