@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
 
 from tests.processes import TOKENRELAY, free_port
-from tokenrelay.cli import build_parser
+from tokenrelay.settings import parse_args
 
 
 def _parse(monkeypatch, argv: list[str], env: dict[str, str] | None = None):
-    for name, value in (env or {}).items():
-        monkeypatch.setenv(name, value)
-    return build_parser().parse_args(argv)
+    for name in list(os.environ):
+        if name.startswith("TOKENRELAY_"):
+            monkeypatch.delenv(name)
+    return parse_args(argv, env or {})
 
 
 def test_defaults_are_mindie_s(monkeypatch):
@@ -56,16 +58,57 @@ def test_the_command_line_wins_over_the_environment(monkeypatch):
 
 
 def test_kafka_commands_need_a_broker(monkeypatch, capsys):
-    monkeypatch.delenv("TOKENRELAY_KAFKA_BOOTSTRAP", raising=False)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["gateway"])
+        _parse(monkeypatch, ["gateway"])
     assert "--kafka-bootstrap" in capsys.readouterr().err
+    assert _parse(monkeypatch, ["gateway"], {"TOKENRELAY_KAFKA_BOOTSTRAP": "a:1"}).kafka_bootstrap == "a:1"
 
 
 def test_help_names_the_environment_variable(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--help"])
+        parse_args(["serve", "--help"], {})
     assert "TOKENRELAY_SERVED_MODEL_NAME" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "error"),
+    [
+        ("TOKENRELAY_DTYPE", "bf16", "argument --dtype: invalid choice: 'bf16'"),
+        ("TOKENRELAY_MAX_BATCH_SIZE", "many", "argument --max-batch-size: invalid int value: 'many'"),
+        ("TOKENRELAY_GPU_MEMORY_FRACTION", "1.5", "argument --gpu-memory-fraction: 1.5 is not in (0, 1]"),
+        ("TOKENRELAY_LOG_LEVEL", "loud", "argument --log-level: invalid choice: 'loud'"),
+    ],
+)
+def test_an_environment_value_is_checked_as_its_flag_is_and_the_error_names_the_variable(
+    monkeypatch, capsys, variable, value, error
+):
+    flag = "--" + variable.removeprefix("TOKENRELAY_").lower().replace("_", "-")
+    with pytest.raises(SystemExit) as on_the_line:
+        _parse(monkeypatch, ["serve", flag, value])
+    assert on_the_line.value.code == 2 and error in capsys.readouterr().err
+    with pytest.raises(SystemExit) as from_the_environment:
+        _parse(monkeypatch, ["serve"], {variable: value})
+    assert from_the_environment.value.code == 2
+    assert f"{error}" in (err := capsys.readouterr().err) and f"(from the environment: {variable})" in err
+
+
+def test_switches_from_the_environment_take_the_usual_words_and_refuse_others(monkeypatch, capsys):
+    for word, expected in [("1", True), ("Yes", True), ("on", True), ("0", False), ("false", False), ("", False)]:
+        assert _parse(monkeypatch, ["serve"], {"TOKENRELAY_NO_CUDA_GRAPHS": word}).no_cuda_graphs is expected
+    with pytest.raises(SystemExit):
+        _parse(monkeypatch, ["serve"], {"TOKENRELAY_NO_CUDA_GRAPHS": "maybe"})
+    assert "TOKENRELAY_NO_CUDA_GRAPHS='maybe' is not a switch's value" in capsys.readouterr().err
+
+
+def test_environment_values_that_begin_with_a_dash_or_list_nothing(monkeypatch):
+    args = _parse(monkeypatch, ["serve"], {"TOKENRELAY_DEFAULT_MODEL": "-odd-name", "TOKENRELAY_API_KEYS": ""})
+    assert args.default_model == "-odd-name" and args.api_keys == []
+
+
+def test_help_answers_even_when_a_variable_is_wrong(capsys):
+    with pytest.raises(SystemExit) as ended:
+        parse_args(["worker", "--help"], {"TOKENRELAY_DTYPE": "bf16"})
+    assert ended.value.code == 0 and "--dtype" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["worker", "gateway"])

@@ -16,7 +16,7 @@ import jsonschema
 import yaml
 
 from tests.processes import REPO
-from tokenrelay.cli import build_parser
+from tokenrelay.settings import build_parser
 
 
 def _compose() -> dict:

@@ -25,7 +25,7 @@ import yaml
 from bus.topics import request_topics, worker_group
 from tests.processes import REPO
 from tests.test_deploy_files import _flags_of
-from tokenrelay.cli import build_parser
+from tokenrelay.settings import build_parser, parse_args
 
 CHART = REPO / "deploy" / "helm" / "tokenrelay"
 TWO_MODELS = REPO / "deploy" / "helm" / "two-models.yaml"
@@ -138,12 +138,9 @@ def _env(container: dict) -> dict[str, str | None]:
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
-def _parse(command: str, env: dict[str, str | None], monkeypatch):
-    """The container's command line as the process reads it: flags from its environment."""
-    with monkeypatch.context() as patch:
-        for name, value in env.items():
-            patch.setenv(name, "pod-0" if value is None else value)  # valueFrom: the pod's name
-        return build_parser().parse_args([command])
+def _parse(command: str, env: dict[str, str | None]):
+    """The container's command line as the process reads it: flags from its environment, checked as flags."""
+    return parse_args([command], {name: "pod-0" if value is None else value for name, value in env.items()})
 
 
 def test_every_rendered_object_matches_its_schema(rendered):
@@ -184,7 +181,7 @@ def test_defaults_and_two_models_render_what_is_described(render):
     assert len(_by_kind(docs, "Deployment")) == 1 + len(models)
 
 
-def test_every_setting_is_a_flag_of_the_command_the_container_runs(rendered, monkeypatch):
+def test_every_setting_is_a_flag_of_the_command_the_container_runs(rendered):
     for deployment in _by_kind(rendered, "Deployment").values():
         container = _container(deployment)
         command = container["command"]
@@ -195,10 +192,10 @@ def test_every_setting_is_a_flag_of_the_command_the_container_runs(rendered, mon
             if name.startswith("TOKENRELAY_"):
                 flag = "--" + name.removeprefix("TOKENRELAY_").lower().replace("_", "-")
                 assert flag in flags, f"{deployment['metadata']['name']}: {name} names no flag of `{' '.join(command)}`"
-        _parse(command[1], env, monkeypatch)  # every value is one the flag takes
+        _parse(command[1], env)  # every value is one the flag takes
 
 
-def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered, monkeypatch):
+def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered):
     deployments = _by_kind(rendered, "Deployment")
     kafka = _by_kind(rendered, "Kafka")
     scaled_objects = _by_kind(rendered, "ScaledObject")
@@ -206,7 +203,7 @@ def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered, mo
     assert workers
     for scaled in scaled_objects.values():
         target = deployments[scaled["spec"]["scaleTargetRef"]["name"]]
-        args = _parse("worker", _env(_container(target)), monkeypatch)
+        args = _parse("worker", _env(_container(target)))
         model = args.served_model_name[0]
         triggers = [t for t in scaled["spec"]["triggers"] if t["type"] == "kafka"]
         assert [t["metadata"]["topic"] for t in triggers] == request_topics(args.topic_prefix, model)
@@ -224,18 +221,18 @@ def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered, mo
         assert {d["metadata"]["name"] for d in workers} == set(scaled_objects)
 
 
-def test_each_model_runs_what_its_entry_names(render, monkeypatch):
+def test_each_model_runs_what_its_entry_names(render):
     docs = render(TWO_MODELS)
     llama, qwen = (_by_kind(docs, "Deployment")[f"tokenrelay-worker-{name}"] for name in ("llama-8b", "qwen-05b"))
-    args = _parse("worker", _env(_container(llama)), monkeypatch)
+    args = _parse("worker", _env(_container(llama)))
     assert args.served_model_name == ["llama-3.1-8b", "llama3"]
     assert args.model == "/models/meta-llama-3.1-8b-instruct"
-    assert args.max_batch_size == 256 and args.dtype == "bf16" and args.gpu_memory_fraction == 0.9
+    assert args.max_batch_size == 256 and args.dtype == "bfloat16" and args.gpu_memory_fraction == 0.9
     mount = next(m for m in _container(llama)["volumeMounts"] if m["name"] == "model")
     assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
     volume = next(v for v in llama["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
     assert volume["persistentVolumeClaim"]["claimName"] == "model-weights"
-    args = _parse("worker", _env(_container(qwen)), monkeypatch)
+    args = _parse("worker", _env(_container(qwen)))
     assert args.model == args.served_model_name[0] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert worker_group(args.topic_prefix, args.served_model_name[0]) == "tokenrelay.workers.Qwen_Qwen2.5-0.5B-Instruct"
     assert _env(_container(qwen))["HF_HOME"] == "/models/huggingface"  # the hostPath caches downloads
@@ -243,7 +240,7 @@ def test_each_model_runs_what_its_entry_names(render, monkeypatch):
     assert _container(qwen)["resources"]["requests"] == {"nvidia.com/gpu": 1, "cpu": "2", "memory": "8Gi"}
     for deployment in (llama, qwen):
         assert _container(deployment)["resources"]["limits"]["nvidia.com/gpu"] == 1
-    gateway = _parse("gateway", _env(_container(_by_kind(docs, "Deployment")["tokenrelay-gateway"])), monkeypatch)
+    gateway = _parse("gateway", _env(_container(_by_kind(docs, "Deployment")["tokenrelay-gateway"])))
     assert gateway.max_in_flight == 8192 and gateway.default_model == "llama-3.1-8b"
 
 
@@ -258,10 +255,10 @@ def test_without_autoscaling_the_replicas_are_the_values(render):
     assert "TOKENRELAY_MODEL" not in _env(_container(deployments["tokenrelay-worker-bundled"]))
 
 
-def test_probes_reach_the_ports_the_processes_listen_on(rendered, monkeypatch):
+def test_probes_reach_the_ports_the_processes_listen_on(rendered):
     for deployment in _by_kind(rendered, "Deployment").values():
         container = _container(deployment)
-        args = _parse(container["command"][1], _env(container), monkeypatch)
+        args = _parse(container["command"][1], _env(container))
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         if args.command == "gateway":
             assert args.host == "0.0.0.0" and ports["http"] == args.port
@@ -334,12 +331,12 @@ def test_the_chart_refuses_what_cannot_work(render):
         render({"gateway": {"terminationGracePeriodSeconds": 15}})
 
 
-def test_grace_periods_leave_time_to_drain(rendered, monkeypatch):
+def test_grace_periods_leave_time_to_drain(rendered):
     """The pod is killed terminationGracePeriodSeconds after the preStop hook starts: the preStop sleep,
     --drain-timeout and the last seconds of closing must fit in it."""
     for deployment in _by_kind(rendered, "Deployment").values():
         spec, container = deployment["spec"]["template"]["spec"], _container(deployment)
-        args = _parse(container["command"][1], _env(container), monkeypatch)
+        args = _parse(container["command"][1], _env(container))
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
         assert pre_stop[0] == "sleep"
         assert args.drain_timeout >= 10

@@ -128,10 +128,10 @@ def engine_main(argv: list[str], socket_path: str) -> None:
 
     from telemetry import logs
     from tokenrelay import lifecycle
-    from tokenrelay.cli import build_parser
+    from tokenrelay.settings import parse_args
     from tokenrelay.worker_parts import build_worker, worker_id
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logs.configure(args.log_level, process="engine")
     for collector in (
         prometheus_client.PROCESS_COLLECTOR,
