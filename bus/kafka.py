@@ -19,7 +19,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import structlog
 from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
@@ -37,6 +36,7 @@ from aiokafka.structs import OffsetAndMetadata
 from pydantic import ValidationError
 
 from bus.base import Accept, Bus, BusUnavailable, Delivery, Listener, RequestQueue, UnknownTopic, offer
+from bus.settings import KafkaSettings
 from schemas.messages import BusMessage, GenerationRequest, decode, encode
 
 log = structlog.get_logger("bus.kafka")
@@ -44,30 +44,6 @@ log = structlog.get_logger("bus.kafka")
 _TOPIC_ALREADY_EXISTS = 36
 _TOPIC_VISIBLE_TIMEOUT_S = 10.0
 _FETCH = 64  # requests read per poll at most: enough to compare priorities, few enough not to hoard
-
-
-@dataclass(frozen=True)
-class KafkaSettings:
-    bootstrap_servers: str
-    replication_factor: int = 1
-    fetch_max_wait_ms: int = 100  # request queues
-    listen_fetch_max_wait_ms: int = 500  # listeners
-    # Group membership of workers. The model runs off the event loop, so
-    # heartbeats flow during long steps; these only bound how fast a dead
-    # worker is noticed.
-    session_timeout_ms: int = 6_000
-    heartbeat_interval_ms: int = 1_000
-    max_poll_interval_ms: int = 60_000
-    # Past this the publisher stops waiting: a gateway answers 503 at once. The producer is idempotent,
-    # so it never expires a message: it still delivers it once the partition has a leader again (the
-    # receivers drop what nobody waits for), and drops it only when the bus closes.
-    publish_timeout_s: float = 1.5
-    # The largest message carried: the producer, every topic this process creates (max.message.bytes) and the
-    # consumers' fetches are set to it. Kafka's default is 1 MB; a request may carry a 4 MB text_input.
-    max_message_bytes: int = 16 * 2**20
-    # A request queue's consumer that fetched nothing this long while its partitions
-    # have requests it has not read is stuck (it happens after a broker restart): rebuilt.
-    consumer_stuck_s: float = 30.0
 
 
 _RECORD_OVERHEAD = 64 * 1024  # a record's key, headers and batch framing around the message

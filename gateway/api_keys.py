@@ -13,7 +13,6 @@ from __future__ import annotations
 import hmac
 import json
 import re
-from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -21,17 +20,6 @@ from gateway.errors import openai_error_body
 
 UNAUTHORIZED = "Unauthorized"
 _OPEN = re.compile(r"^/(health|metrics|v2/health/(live|ready)|v2/models/[^/]+/ready)$")
-
-
-def load_keys(keys: list[str], keys_file: str) -> list[str]:
-    """The keys given directly, and those of `keys_file` (one per line; blank lines and # comments skipped)."""
-    found = [k.strip() for k in keys if k.strip()]
-    if keys_file:
-        for line in Path(keys_file).read_text().splitlines():
-            line = line.strip()
-            if line and not line.startswith("#"):
-                found.append(line)
-    return found
 
 
 def open_path(path: str) -> bool:

@@ -23,33 +23,18 @@ import ipaddress
 import socket
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
 import httpx
 
-MB = 1024 * 1024
+from gateway.settings import MB, MediaPolicy
+
 MAX_REDIRECTS = 5
 _MIME_PREFIX = {"image_url": "image/", "video_url": "video/", "audio_url": "audio/"}
 
 
 class MediaRefused(Exception):
     """A media item that may not, or cannot, be loaded; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class MediaPolicy:
-    media_dir: Path = Path("/data/multimodal_inputs")
-    allowed_domains: frozenset[str] = frozenset()  # host names or IP literals, lower case
-    max_bytes: dict[str, int] = field(
-        default_factory=lambda: {"image_url": 40 * MB, "audio_url": 40 * MB, "video_url": 512 * MB}
-    )
-    fetch_timeout_s: float = 10.0
-
-    @staticmethod
-    def parse_domains(value: str) -> frozenset[str]:
-        return frozenset(d.strip().lower() for d in value.split(",") if d.strip())
 
 
 def is_forbidden_address(address: str) -> bool:

@@ -18,7 +18,6 @@ import asyncio
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
 
 import structlog
 
@@ -32,6 +31,7 @@ from gateway.errors import PAYLOAD_TOO_LARGE, ApiError, not_found, unavailable
 from gateway.failover import CHECK_EVERY_S, Failover
 from gateway.inflight import InFlight, InFlightRegistry
 from gateway.router import Router
+from gateway.settings import GatewaySettings
 from schemas.messages import (
     CancelRequest,
     ChatMessage,
@@ -64,18 +64,6 @@ LISTENER_STUCK_S = 10.0  # this many seconds of own heartbeats taken by the brok
 CONTROL_REPLAY_S = 10.0
 # How long a stopInfer waits for another gateway to say it stopped the request, before answering 404.
 STOP_ANSWER_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    topic_prefix: str = "tokenrelay"
-    gateway_id: str = ""  # empty: a fresh random id per process
-    default_timeout_s: int = 600
-    default_priority: int = 5
-    default_model: str = ""  # what /infer_token and /infer serve; empty: the only model served
-    full_text: bool = False  # MindIE's fullTextEnabled: stream events carry the text so far
-    max_in_flight: int = 4096  # requests waiting for their last event; beyond: 429
-    route: bool = True  # pick each request's worker (router.py); False: the shared queue decides
 
 
 class GatewayService:

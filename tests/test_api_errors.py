@@ -15,8 +15,9 @@ from starlette.testclient import TestClient
 
 from bus.inprocess import InProcessBus
 from gateway.app import create_app
-from gateway.media import MediaLoader, MediaPolicy
-from gateway.service import GatewayService, GatewaySettings
+from gateway.media import MediaLoader
+from gateway.service import GatewayService
+from gateway.settings import GatewaySettings, MediaPolicy
 from tests.test_gateway_state import _heartbeat
 
 WS_OPS = "'generate_stream', 'infer', 'tgi', 'completions', 'chat.completions', 'cancel'"

@@ -10,8 +10,9 @@ import pytest
 
 from bus.base import Bus, UnknownTopic
 from bus.inprocess import InProcessBus
-from bus.kafka import KafkaBus, KafkaSettings
+from bus.kafka import KafkaBus
 from bus.local import LocalBus, LocalBusServer
+from bus.settings import KafkaSettings
 from bus.topics import request_topics
 from schemas.messages import CancelRequest, GenerationRequest, SamplingParams
 

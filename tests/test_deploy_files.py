@@ -16,7 +16,7 @@ import jsonschema
 import yaml
 
 from tests.processes import REPO
-from tokenrelay.settings import build_parser
+from tokenrelay.flags import build_parser
 
 
 def _compose() -> dict:

@@ -12,7 +12,8 @@ from bus.topics import control_topic, reply_topic
 from gateway.directory import WorkerDirectory
 from gateway.errors import ApiError
 from gateway.inflight import DEADLINE_GRACE_S, InFlightRegistry
-from gateway.service import GatewayService, GatewaySettings
+from gateway.service import GatewayService
+from gateway.settings import GatewaySettings
 from schemas.messages import (
     CancelRequest,
     FinishReason,

@@ -25,7 +25,7 @@ import yaml
 from bus.topics import request_topics, worker_group
 from tests.processes import REPO
 from tests.test_deploy_files import _flags_of
-from tokenrelay.settings import build_parser, parse_args
+from tokenrelay.flags import build_parser, parse_args
 
 CHART = REPO / "deploy" / "helm" / "tokenrelay"
 TWO_MODELS = REPO / "deploy" / "helm" / "two-models.yaml"

@@ -16,7 +16,8 @@ import threading
 import httpx
 import pytest
 
-from gateway.media import MB, MediaLoader, MediaPolicy, MediaRefused, is_forbidden_address, resolve_host
+from gateway.media import MediaLoader, MediaRefused, is_forbidden_address, resolve_host
+from gateway.settings import MB, MediaPolicy
 from tests.processes import serving
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64

@@ -31,15 +31,17 @@ def openapi_document() -> tuple[dict, list[tuple[str, str]]]:
     from fastapi.routing import APIWebSocketRoute
     from pydantic.json_schema import models_json_schema
 
-    from bus.inprocess import InProcessBus
+    from bus.factory import open_bus
+    from bus.settings import InProcessSettings
     from gateway.app import create_app
-    from gateway.media import MediaLoader, MediaPolicy
-    from gateway.service import GatewayService, GatewaySettings
+    from gateway.media import MediaLoader
+    from gateway.service import GatewayService
+    from gateway.settings import GatewaySettings, ServerSettings
     from schemas import websocket
 
-    service = GatewayService(InProcessBus(16 * 2**20), GatewaySettings())
-    media = MediaLoader(MediaPolicy(media_dir=Path("/data/multimodal_inputs"), allowed_domains=frozenset()))
-    app = create_app(service, media, max_request_bytes=40 * 2**20)
+    server = ServerSettings()  # the defaults: what the document says of limits is theirs
+    service = GatewayService(open_bus(InProcessSettings(), client_id="api-doc"), GatewaySettings())
+    app = create_app(service, MediaLoader(server.media), max_request_bytes=server.max_request_bytes)
     document = app.openapi()
     sockets: list[tuple[str, str]] = []
 

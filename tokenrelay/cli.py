@@ -1,4 +1,4 @@
-"""The `tokenrelay` command: its line parsed (tokenrelay/settings.py), then the command run.
+"""The `tokenrelay` command: its line parsed (tokenrelay/flags.py), then the command run.
 
 What each command runs is imported only once its line is parsed, so `--help`
 answers at once.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from tokenrelay.settings import parse_args
+from tokenrelay.flags import parse_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(topology.up(args))
     from tokenrelay.launch import launch
 
-    launch(args, sys.argv[1:] if argv is None else argv)
+    launch(args)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,16 @@ import os
 import signal
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from bus.base import Bus
 from bus.local import LocalBus, LocalBusServer
 from tokenrelay.lifecycle import CannotStart
+
+if TYPE_CHECKING:
+    from tokenrelay.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -32,13 +36,13 @@ _STOP_WAIT_S = 10.0  # after a drain's time, or after the ask to stop at once: t
 class EngineProcess:
     """Start, drain and stop the engine process; the same steps lifecycle.run takes with an in-process worker."""
 
-    def __init__(self, bus: Bus, argv: list[str]) -> None:
-        """The new process runs `engine_main(argv, socket_path)`: a worker on the bus at that socket."""
+    def __init__(self, bus: Bus, settings: Settings) -> None:
+        """The new process runs `engine_main(settings, socket_path)`: a worker on the bus at that socket."""
         self._directory = tempfile.TemporaryDirectory(prefix="tokenrelay-serve-")
         self._socket = str(Path(self._directory.name) / "bus.sock")
         self._server = LocalBusServer(bus, self._socket)
         self._process = multiprocessing.get_context("spawn").Process(
-            target=engine_main, args=(argv, self._socket), name="tokenrelay-engine"
+            target=engine_main, args=(settings, self._socket), name="tokenrelay-engine"
         )
         self._ended = asyncio.Event()
         self._drained = False  # asked to drain
@@ -118,8 +122,8 @@ class EngineProcess:
         return await self._server.metrics()
 
 
-def engine_main(argv: list[str], socket_path: str) -> None:
-    """The engine process of `tokenrelay serve ARGV`: its worker, on the serve process's bus at `socket_path`."""
+def engine_main(settings: Settings, socket_path: str) -> None:
+    """The engine process of `tokenrelay serve`: its worker, on the serve process's bus at `socket_path`."""
     # Ctrl-C (and a SIGTERM to the process group) is for the serve process, which asks this one to drain
     # when its own drain begins.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -128,24 +132,24 @@ def engine_main(argv: list[str], socket_path: str) -> None:
 
     from telemetry import logs
     from tokenrelay import lifecycle
-    from tokenrelay.settings import parse_args
-    from tokenrelay.worker_parts import build_worker, worker_id
+    from tokenrelay.worker_parts import build_worker
 
-    args = parse_args(argv)
-    logs.configure(args.log_level, process="engine")
+    logs.configure(settings.log_level, process="engine")
     for collector in (
         prometheus_client.PROCESS_COLLECTOR,
         prometheus_client.PLATFORM_COLLECTOR,
         prometheus_client.GC_COLLECTOR,
     ):
         prometheus_client.REGISTRY.unregister(collector)  # the serve process's own report these
-    bus = LocalBus(socket_path, prometheus_client.generate_latest, args.max_message_bytes, on_lost=lambda: os._exit(1))
+    bus = LocalBus(
+        socket_path, prometheus_client.generate_latest, settings.bus.max_message_bytes, on_lost=lambda: os._exit(1)
+    )
 
     def asks_to_stop(stop_asked) -> None:  # the serve process asks, over the socket
         bus.stop_asked = stop_asked
 
     def run() -> bool:
-        worker = build_worker(args, bus, worker_id(args))
-        return asyncio.run(lifecycle.run(bus, None, [worker], args.drain_timeout, asks_to_stop=asks_to_stop))
+        worker = build_worker(settings.model, settings.engine, settings.worker, bus)
+        return asyncio.run(lifecycle.run(bus, None, [worker], settings.drain_timeout_s, asks_to_stop=asks_to_stop))
 
     lifecycle.exit_with(run)

@@ -1,4 +1,4 @@
-"""`serve`, `gateway`, `worker` and `simulate` as their flags describe them: their parts built, then run.
+"""`serve`, `gateway`, `worker` and `simulate` as their settings describe them: their parts built, then run.
 
 Imported once the command line is parsed. `serve` starts its engine process
 first, so that the model loads while this process imports the gateway.
@@ -9,28 +9,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import os
 import signal
 import uuid
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import prometheus_client
 import structlog
 
 from bus.base import Bus
-from bus.inprocess import InProcessBus
+from bus.factory import open_bus
+from bus.settings import KafkaSettings
 from tokenrelay import lifecycle
 from tokenrelay.engine_process import EngineProcess
-from tokenrelay.worker_parts import build_worker, worker_id
-
-if TYPE_CHECKING:
-    from bus.kafka import KafkaBus
+from tokenrelay.settings import Settings, settings_of
+from tokenrelay.worker_parts import build_worker
 
 log = structlog.get_logger("tokenrelay")
 
 
-def launch(args: argparse.Namespace, argv: list[str]) -> None:
-    """Run the command `args` describes until it is stopped; exit with its status. `argv`: its arguments."""
+def launch(args: argparse.Namespace) -> None:
+    """Run the command `args` describes until it is stopped; exit with its status."""
     children: list[EngineProcess] = []
 
     def stop_while_starting(signum: int, _) -> None:  # until lifecycle.run's own handlers replace this one
@@ -41,59 +39,49 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_while_starting)
-
-    def run() -> bool:
-        if args.command == "serve":
-            bus: Bus = InProcessBus(args.max_message_bytes)
-            engine = EngineProcess(bus, argv)
-            engine.spawn()
-            children.append(engine)
-            from tokenrelay.http_server import http_server
-
-            parts = (http_server(args, bus, engine.metrics), [engine])
-        elif args.command == "gateway":
-            _check_kafka(args)
-            from tokenrelay.http_server import http_server
-
-            bus = _kafka_bus(args, client_id=f"gateway-{args.gateway_id or uuid.uuid4().hex[:8]}")
-            parts = (http_server(args, bus), [])
-        else:
-            _check_kafka(args)  # before a model loads for half a minute
-            bus = _kafka_bus(args, client_id=f"worker-{args.worker_id or os.getpid()}")
-            if args.command == "worker":
-                workers = [build_worker(args, bus, worker_id(args))]
-            else:  # simulate: one bus (producer, admin client) for every worker of the process
-                args.simulate = args.simulate or "bundled-cpu"
-                workers = [build_worker(args, bus, f"{worker_id(args)}-{i}") for i in range(args.workers)]
-            parts = (None, workers)
-        # A worker's /metrics answers once it has loaded its model and joined its group: a readiness probe.
-        address = getattr(args, "metrics_address", "")
-        started = functools.partial(_serve_metrics, address) if address else None
-        return asyncio.run(lifecycle.run(bus, *parts, args.drain_timeout, started=started))
-
-    lifecycle.exit_with(run)
+    lifecycle.exit_with(lambda: run(settings_of(args), children))
 
 
-def _check_kafka(args: argparse.Namespace) -> None:
+def run(settings: Settings, children: list[EngineProcess]) -> bool:
+    """Build the parts of `settings`' command and run them until stopped; False when one failed. An engine
+    process spawned is added to `children` at once, so that a signal while starting can kill it."""
+    bus = _bus(settings)
+    if settings.command == "serve":
+        engine = EngineProcess(bus, settings.engine_process())
+        engine.spawn()
+        children.append(engine)
+        from tokenrelay.http_server import http_server
+
+        parts = (http_server(settings.server, settings.gateway, bus, engine.metrics), [engine])
+    elif settings.command == "gateway":
+        from tokenrelay.http_server import http_server
+
+        parts = (http_server(settings.server, settings.gateway, bus), [])
+    else:
+        ids = [settings.worker.worker_id]
+        if settings.command == "simulate":  # one bus (producer, admin client) for every worker of the process
+            ids = [f"{settings.worker.worker_id}-{i}" for i in range(settings.workers)]
+        workers = [
+            build_worker(settings.model, settings.engine, replace(settings.worker, worker_id=worker_id), bus)
+            for worker_id in ids
+        ]
+        parts = (None, workers)
+    # A worker's /metrics answers once it has loaded its model and joined its group: a readiness probe.
+    started = functools.partial(_serve_metrics, settings.metrics_address) if settings.metrics_address else None
+    return asyncio.run(lifecycle.run(bus, *parts, settings.drain_timeout_s, started=started))
+
+
+def _bus(settings: Settings) -> Bus:
+    """The command's bus; a Kafka broker is checked first, before a model loads for half a minute."""
+    if not isinstance(settings.bus, KafkaSettings):
+        return open_bus(settings.bus, client_id="serve")
     from bus.kafka import check_bootstrap
 
-    log.info("connecting_to_kafka", bootstrap=args.kafka_bootstrap)
-    asyncio.run(check_bootstrap(args.kafka_bootstrap))
-
-
-def _kafka_bus(args: argparse.Namespace, client_id: str) -> KafkaBus:
-    from bus.kafka import KafkaBus, KafkaSettings
-
-    settings = KafkaSettings(
-        bootstrap_servers=args.kafka_bootstrap,
-        replication_factor=args.kafka_replication_factor,
-        session_timeout_ms=args.kafka_session_timeout_ms,
-        heartbeat_interval_ms=args.kafka_heartbeat_interval_ms,
-        max_poll_interval_ms=args.kafka_max_poll_interval_ms,
-        publish_timeout_s=args.kafka_publish_timeout,
-        max_message_bytes=args.max_message_bytes,
-    )
-    return KafkaBus(settings, client_id=client_id)
+    log.info("connecting_to_kafka", bootstrap=settings.bus.bootstrap_servers)
+    asyncio.run(check_bootstrap(settings.bus.bootstrap_servers))
+    if settings.command == "gateway":
+        return open_bus(settings.bus, client_id=f"gateway-{settings.gateway.gateway_id or uuid.uuid4().hex[:8]}")
+    return open_bus(settings.bus, client_id=f"worker-{settings.worker.worker_id}")
 
 
 def _serve_metrics(address: str) -> None:

@@ -1,372 +1,191 @@
-"""The flags of every `tokenrelay` command, from the command line and from the environment.
+"""What a command's flags become: the settings of each part of the process, built and checked in one place.
 
-Every flag can also come from the environment: `--served-model-name` is
-`TOKENRELAY_SERVED_MODEL_NAME` (lists separated by commas, a switch as 1,
-true, yes or on). An environment value is read as if its flag came first on
-the command line, so it is checked exactly as the flag is (its type, its
-choices, its range) and a flag given on the command line wins.
+`settings_of(parse_args(argv, environ))` is the whole of a command's
+configuration. Every flag a command takes (tokenrelay/flags.py) lands in one
+field here, so a flag that a command accepts always does something there
+(tests/test_settings.py walks them all). The settings are plain dataclasses
+of light modules: `serve` hands its engine process the worker's part of them,
+pickled, instead of argv to parse again.
 
-Only the parser is built here: what each command runs (tokenrelay/launch.py
-and the modules it imports: uvicorn, FastAPI, aiokafka, torch) is imported
-once the command line is parsed, so `--help` answers at once.
+What cannot be had (a profile that does not exist, a TLS key without its
+certificate, a metrics address without a port) raises CannotStart: one line,
+exit 1, before anything is loaded. A model directory is looked for when it
+is loaded (tokenrelay/worker_parts.py): it may be a volume that is mounted
+only where the worker runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
+import socket
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL_NAME, DTYPE_NAMES
-from workers.simulated.profile import names as simulation_profiles
-
-_DESCRIPTION = """\
-    tokenrelay serve     gateway + worker + in-process bus, one process, no broker
-    tokenrelay gateway   an HTTP/WebSocket gateway on Kafka
-    tokenrelay worker    a model worker on Kafka
-    tokenrelay simulate  many simulated workers in one process, on Kafka
-    tokenrelay up        gateways and workers on one Kafka, on this machine
-    tokenrelay bench     benchmarks (engine, serve, chaos, scale, priority, profile)
-
-Every flag can also come from the environment: `--served-model-name` is
-TOKENRELAY_SERVED_MODEL_NAME (lists separated by commas, a switch as 1, true,
-yes or on). A flag given on the command line wins.
-"""
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+from bus.settings import InProcessSettings, KafkaSettings
+from gateway.settings import GatewaySettings, MediaPolicy, ServerSettings
+from tokenrelay.flags import parse_args
+from tokenrelay.lifecycle import CannotStart
+from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
+from workers.engine.config import EngineConfig
+from workers.settings import ModelSettings, WorkerSettings
 
 
-class _Parser(argparse.ArgumentParser):
-    """A command's parser that knows the environment variable of each flag, and names it in an error about a
-    value that came from there."""
+@dataclass(frozen=True)
+class Settings:
+    """A process's parts, each with its settings; None where the command has no such part."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.environment: dict[str, argparse.Action] = {}  # variable -> the flag's action
-        self.from_environment: dict[str, str] = {}  # flag -> its variable, for the values read from there
+    command: str  # serve, gateway, worker or simulate
+    log_level: str
+    drain_timeout_s: float
+    bus: InProcessSettings | KafkaSettings
+    server: ServerSettings | None = None  # serve, gateway: the HTTP server
+    gateway: GatewaySettings | None = None  # serve, gateway: its service on the bus
+    worker: WorkerSettings | None = None  # serve, worker, simulate (simulate's workers are <worker_id>-<i>)
+    model: ModelSettings | None = None
+    engine: EngineConfig | None = None
+    workers: int = 1  # simulated workers in this process
+    metrics_address: str = ""  # worker, simulate: HOST:PORT of GET /metrics; empty: none
 
-    def error(self, message: str):
-        for flag, variable in self.from_environment.items():
-            if message.startswith(f"argument {flag}:"):  # argparse's words: "argument --dtype: invalid choice..."
-                message = f"{message} (from the environment: {variable})"
-                break
-        super().error(message)
-
-    def environment_arguments(self, environ: Mapping[str, str]) -> list[str]:
-        """The flags that `environ` sets, as command-line arguments."""
-        arguments: list[str] = []
-        for variable, action in self.environment.items():
-            value = environ.get(variable)
-            if value is None:
-                continue
-            flag = action.option_strings[0]
-            if action.nargs == 0:  # a switch
-                if value.strip().lower() not in _TRUE + _FALSE:
-                    self.error(f"{variable}={value!r} is not a switch's value: 1, true, yes, on, or 0, false, no, off")
-                given = [flag] if value.strip().lower() in _TRUE else []
-            elif action.nargs == "+":
-                given = [flag, *value.split(",")] if value else []  # empty: none, as if unset
-            else:
-                given = [f"{flag}={value}"]  # one argument, even when the value begins with "-"
-            if given:
-                self.from_environment[flag] = variable
-            arguments += given
-        return arguments
+    def engine_process(self) -> Settings:
+        """What serve's engine process needs: its worker's part, and no gateway secrets."""
+        return replace(self, server=None, gateway=None)
 
 
-def _env_name(flag: str) -> str:
-    return "TOKENRELAY_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _option(parser: _Parser, flag: str, *, help: str, env: str = "", **kwargs) -> None:
-    """A flag that TOKENRELAY_<FLAG> (or the variable named by `env`) may set instead."""
-    env = env or _env_name(flag)
-    default = kwargs.get("default")
-    shown = f"; default {default}" if default not in (None, "") else ""
-    parser.environment[env] = parser.add_argument(flag, help=f"{help} (env {env}{shown})", **kwargs)
-
-
-def _common_options(parser: argparse.ArgumentParser) -> None:
-    _option(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    _option(parser, "--topic-prefix", default="tokenrelay", help="prefix of every topic name")
-
-
-def _gateway_options(parser: argparse.ArgumentParser) -> None:
-    _option(parser, "--host", default="127.0.0.1", help="address to listen on")
-    _option(parser, "--port", type=int, default=1025, help="port to listen on (MindIE's is 1025)")
-    _option(parser, "--gateway-id", default="", help="this gateway's id, which names its reply topic; empty: random")
-    _option(parser, "--default-model", default="", help="the model of /infer_token and /infer; empty: the only one")
-    _option(
-        parser,
-        "--full-text-enabled",
-        action="store_true",
-        default=False,
-        help="stream events carry the text so far instead of the new piece (fullTextEnabled)",
-    )
-    _option(
-        parser,
-        "--max-request-length",
-        type=int,
-        default=40,
-        help="largest request body in MB; larger ones get 413 (maxRequestLength)",
-    )
-    _option(
-        parser,
-        "--max-in-flight",
-        type=int,
-        default=4096,
-        help="requests this gateway waits for at once; beyond that, 429 with Retry-After",
-    )
-    _option(
-        parser,
-        "--media-dir",
-        default="/data/multimodal_inputs",
-        help="the only directory multimodal input may read local files from",
-    )
-    _option(
-        parser,
-        "--no-router",
-        action="store_true",
-        default=False,
-        help="publish every request to the request topics that workers share, instead of routing it to the "
-        "worker with room and its prompt cached (the placement before routing; for comparisons)",
-    )
-    _option(parser, "--api-keys", nargs="+", default=[], help="API keys clients must send (Bearer); none: open")
-    _option(parser, "--api-keys-file", default="", help="a file of API keys, one per line (with --api-keys, all count)")
-    _option(parser, "--tls-cert", default="", help="PEM certificate chain: serve https (with --tls-key)")
-    _option(parser, "--tls-key", default="", help="PEM private key of --tls-cert")
-    _option(parser, "--tls-ca", default="", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
-    _option(
-        parser,
-        "--allowed-media-domains",
-        default="",
-        env="ALLOWED_MEDIA_DOMAINS_ENV",
-        help="comma-separated hosts multimodal input may fetch http(s) URLs from",
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The settings of the command `args` (from parse_args) describes: serve, gateway, worker or simulate."""
+    serving = args.command in ("serve", "gateway")
+    working = args.command in ("serve", "worker", "simulate")
+    return Settings(
+        command=args.command,
+        log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        bus=_kafka(args) if args.command != "serve" else InProcessSettings(args.max_message_bytes),
+        server=_server(args) if serving else None,
+        gateway=_gateway(args) if serving else None,
+        worker=_worker(args) if working else None,
+        model=_model(args) if working else None,
+        engine=_engine(args) if working else None,
+        workers=_simulated_workers(args) if args.command == "simulate" else 1,
+        metrics_address=_address(args.metrics_address) if args.command in ("worker", "simulate") else "",
     )
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
-    return value
+def settings_from(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings of a command line and environment (default: this process's), as the process they start
+    would read them."""
+    return settings_of(parse_args(argv, environ))
 
 
-def _worker_options(parser: argparse.ArgumentParser) -> None:
-    _option(
-        parser,
-        "--model",
-        default=str(BUNDLED_MODEL),
-        help="Hugging Face causal-LM or vision-language model (LLaVA, Qwen2-VL, ...) directory or hub id; "
-        "default: the bundled model",
-    )
-    _option(
-        parser,
-        "--vision",
-        action="store_true",
-        help=f"serve the bundled vision-language model ({BUNDLED_VISION_MODEL_NAME}) instead of the bundled text one",
-    )
-    _option(
-        parser,
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help=f"names clients use for the model, aliases of each other; "
-        f"default: {BUNDLED_MODEL_NAME} for the bundled model, else --model",
-    )
-    _option(parser, "--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
-    dtypes = ["", *DTYPE_NAMES]
-    _option(parser, "--dtype", default="", choices=dtypes, help="model dtype; empty: bf16 on CUDA, fp32 on CPU")
-    _option(
-        parser,
-        "--max-batch-size",
-        type=int,
-        default=0,
-        help="sequences that run at once (maxBatchSize); 0: 64 on the CPU, 256 on a GPU",
-    )
-    _option(parser, "--max-seq-len", type=int, default=2560, help="prompt + generated tokens (maxSeqLen)")
-    _option(parser, "--max-input-len", type=int, default=2048, help="prompt tokens (maxInputTokenLen)")
-    _option(parser, "--max-iter-times", type=int, default=512, help="generated tokens per request (maxIterTimes)")
-    _option(
-        parser,
-        "--max-tokens-per-step",
-        type=int,
-        default=0,
-        help="tokens one engine step computes: a token per decoding sequence, the rest on prompt chunks; "
-        "0: 1024 on the CPU, 2048 on a GPU",
-    )
-    _option(parser, "--block-size", type=int, default=32, help="tokens per KV cache block")
-    _option(
-        parser,
-        "--kv-cache-memory",
-        type=float,
-        default=0.0,
-        help="GiB for the KV cache; 0: 1 GiB on the CPU, --gpu-memory-fraction on a GPU",
-    )
-    _option(
-        parser,
-        "--gpu-memory-fraction",
-        type=_fraction,
-        default=0.9,
-        help="share of the GPU memory left after the weights, the largest step's work and the CUDA graphs "
-        "that the KV cache takes, in (0, 1]",
-    )
-    _option(
-        parser,
-        "--no-cuda-graphs",
-        action="store_true",
-        default=False,
-        help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
-    )
-    _option(
-        parser,
-        "--priority-aging",
-        type=float,
-        default=10.0,
-        help="seconds of waiting that make a request one priority level more urgent",
-    )
-    _option(parser, "--worker-id", default="", help="this worker's id in heartbeats and logs; empty: host-pid")
-    _option(
-        parser,
-        "--partitions",
-        type=int,
-        default=8,
-        help="partitions of each request topic created here: at most this many workers share a priority",
-    )
-    _option(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between worker heartbeats")
-    _option(
-        parser,
-        "--simulate",
-        default="",
-        help="simulate the model with a step-time profile (a file, or one of "
-        f"{', '.join(simulation_profiles())}): no weights, no torch; "
-        "empty: run --model (`tokenrelay simulate`: bundled-cpu)",
+def _kafka(args: argparse.Namespace) -> KafkaSettings:
+    group = {}  # a worker's consumer group; gateways join none
+    if args.command in ("worker", "simulate"):
+        group = {
+            "session_timeout_ms": args.kafka_session_timeout_ms,
+            "heartbeat_interval_ms": args.kafka_heartbeat_interval_ms,
+            "max_poll_interval_ms": args.kafka_max_poll_interval_ms,
+        }
+    return KafkaSettings(
+        bootstrap_servers=args.kafka_bootstrap,
+        replication_factor=args.kafka_replication_factor,
+        publish_timeout_s=args.kafka_publish_timeout,
+        max_message_bytes=args.max_message_bytes,
+        **group,
     )
 
 
-def _bus_options(parser: argparse.ArgumentParser) -> None:
-    _option(
-        parser,
-        "--max-message-bytes",
-        type=int,
-        default=16 * 2**20,
-        help="largest message the bus carries, on Kafka (its producer, the topics created, the fetches) and in "
-        "process alike: a request larger on the bus (its images count) is answered 413 before it is published",
+def _server(args: argparse.Namespace) -> ServerSettings:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CannotStart("--tls-cert and --tls-key go together")
+    if args.tls_ca and not args.tls_cert:
+        raise CannotStart("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        max_request_bytes=args.max_request_length * 1024 * 1024,
+        api_keys=tuple(args.api_keys),
+        api_keys_file=args.api_keys_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        media=MediaPolicy(
+            media_dir=Path(args.media_dir), allowed_domains=MediaPolicy.parse_domains(args.allowed_media_domains)
+        ),
     )
 
 
-def _kafka_options(parser: argparse.ArgumentParser) -> None:
-    _option(parser, "--kafka-bootstrap", required=True, help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT]")
-    _option(parser, "--kafka-replication-factor", type=int, default=1, help="replication of the topics created here")
-    _option(
-        parser,
-        "--kafka-session-timeout-ms",
-        type=int,
-        default=6_000,
-        help="workers: how long the group waits for a silent member before its partitions move "
-        "(a dead worker's unread requests wait this long)",
-    )
-    _option(
-        parser,
-        "--kafka-publish-timeout",
-        type=float,
-        default=1.5,
-        help="seconds a message may take to reach the broker; after that the publisher gives up "
-        "(a gateway answers 503)",
-    )
-    _option(parser, "--kafka-heartbeat-interval-ms", type=int, default=1_000, help="workers: group heartbeat period")
-    _option(
-        parser,
-        "--kafka-max-poll-interval-ms",
-        type=int,
-        default=60_000,
-        help="workers: longest pause between polls before the member is dropped",
+def _gateway(args: argparse.Namespace) -> GatewaySettings:
+    return GatewaySettings(
+        topic_prefix=getattr(args, "topic_prefix", GatewaySettings.topic_prefix),  # serve: its own process's topics
+        gateway_id=args.gateway_id,
+        default_model=args.default_model,
+        full_text=args.full_text_enabled,
+        max_in_flight=args.max_in_flight,
+        route=not args.no_router,
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tokenrelay", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="gateway and worker in one process, in-process bus")
-    gateway = commands.add_parser("gateway", help="an HTTP/WebSocket gateway on Kafka")
-    worker = commands.add_parser("worker", help="a model worker on Kafka")
-    simulate = commands.add_parser(
-        "simulate",
-        help="many simulated workers in one process, on Kafka",
-        description="Run --workers workers in one process, each the real worker and engine around a "
-        "simulated model (--simulate, default bundled-cpu): steps take the profile's time and tokens "
-        "come from each request's seed. A fleet on one machine, for `tokenrelay bench scale`.",
-    )
-    _option(simulate, "--workers", type=int, default=8, help="simulated workers")
-    up = commands.add_parser(
-        "up",
-        help="gateways and workers on one Kafka, on this machine, to try out",
-        description="Start --workers workers and --gateways gateways on one Kafka (a local broker from "
-        "deploy/kafka/ unless --kafka-bootstrap is given), the gateways on consecutive ports from --port "
-        "(1025, 1026, ...: no load balancer in front; point clients at any of them). Stops them all on "
-        "SIGINT/SIGTERM, or when one of them dies.",
-    )
-    _common_options(up)
-    _option(up, "--gateways", type=int, default=1, help="gateway processes")
-    _option(up, "--workers", type=int, default=2, help="worker processes")
-    _option(up, "--host", default="127.0.0.1", help="address the gateways listen on")
-    _option(up, "--port", type=int, default=1025, help="the first gateway's port; the others follow it")
-    _option(up, "--kafka-bootstrap", default="", help="Kafka bootstrap servers; empty: start a local broker")
-    _option(
-        up,
-        "--kafka-brokers",
-        type=int,
-        default=1,
-        help="brokers of the local Kafka: 1, or 3 or more for a replicated cluster that loses nothing when a "
-        "broker dies (topics replicated min(N, 3) times, min.insync.replicas 2; with --kafka-bootstrap: "
-        "that cluster's brokers)",
-    )
-    _option(up, "--worker-args", default="", help="more flags for every worker, as one string")
-    _option(up, "--gateway-args", default="", help="more flags for every gateway, as one string")
-    _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
-    bench = commands.add_parser(
-        "bench",
-        help="benchmarks: `tokenrelay bench {engine,serve,chaos,rolling,scale,priority,profile} --help`",
-        description="Benchmarks; each has its own options: `tokenrelay bench BENCHMARK --help`.",
-    )
-    bench.add_argument("benchmark", choices=["engine", "serve", "chaos", "rolling", "scale", "priority", "profile"])
-    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
-    for sub in (serve, gateway, worker, simulate):
-        _common_options(sub)
-    for sub in (serve, gateway):
-        _gateway_options(sub)
-    for sub in (serve, worker, simulate):
-        _worker_options(sub)
-    for sub in (gateway, worker, simulate):
-        _kafka_options(sub)
-    for sub in (serve, gateway, worker, simulate):
-        _bus_options(sub)
-    for sub in (serve, gateway, worker, simulate):
-        _option(
-            sub,
-            "--drain-timeout",
-            type=float,
-            default=30.0,
-            help="seconds a SIGTERM/SIGINT leaves running requests to end (new ones are refused, or go to other "
-            "workers) before the process hands them over and exits; a second signal stops at once",
-        )
-    for sub in (worker, simulate):
-        _option(
-            sub,
-            "--metrics-address",
-            default="",
-            help="HOST:PORT where the worker serves GET /metrics (Prometheus); empty: nowhere",
-        )
-    return parser
+def _worker(args: argparse.Namespace) -> WorkerSettings:
+    fleet = {}  # serve's one worker shares no topic and is heard by its own process only
+    if args.command != "serve":
+        fleet = {
+            "topic_prefix": args.topic_prefix,
+            "partitions": args.partitions,
+            "heartbeat_interval_s": args.heartbeat_interval,
+        }
+    return WorkerSettings(worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}", **fleet)
 
 
-def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
-    """`argv` (default: this process's arguments) with the flags `environ` (default: this process's) sets."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    help_asked = "-h" in argv or "--help" in argv  # help, even when a variable holds a wrong value
-    if argv and argv[0] in commands and not help_asked:
-        argv[1:1] = commands[argv[0]].environment_arguments(os.environ if environ is None else environ)
-    return parser.parse_args(argv)
+def _model(args: argparse.Namespace) -> ModelSettings:
+    names = tuple(args.served_model_name or ())
+    if getattr(args, "simulate", ""):
+        from workers.simulated.profile import Profile
+
+        try:
+            profile = Profile.load(args.simulate)
+        except ValueError as error:
+            raise CannotStart(f"--simulate: {error}") from None
+        return ModelSettings(served_names=names or (profile.name,), simulate=args.simulate)
+    path, name = args.model, args.model
+    if args.model == str(BUNDLED_MODEL) and args.vision:
+        path, name = str(BUNDLED_VISION_MODEL), BUNDLED_VISION_MODEL_NAME
+    elif args.model == str(BUNDLED_MODEL):
+        name = BUNDLED_MODEL_NAME
+    elif args.vision:
+        raise CannotStart(f"--vision serves the bundled vision-language model, not --model {args.model}")
+    return ModelSettings(served_names=names or (name,), path=path, device=args.device, dtype=args.dtype or None)
+
+
+def _engine(args: argparse.Namespace) -> EngineConfig:
+    loaded = {}  # what only a loaded model has: a simulated one has neither memory nor graphs
+    if args.command != "simulate":
+        loaded = {
+            "kv_cache_bytes": int(args.kv_cache_memory * 2**30) or None,
+            "gpu_memory_fraction": args.gpu_memory_fraction,
+            "cuda_graphs": not args.no_cuda_graphs,
+        }
+    return EngineConfig(
+        max_batch_size=args.max_batch_size or None,
+        max_seq_len=args.max_seq_len,
+        max_input_len=args.max_input_len,
+        max_iter_times=args.max_iter_times,
+        max_tokens_per_step=args.max_tokens_per_step or None,
+        block_size=args.block_size,
+        aging_s=args.priority_aging,
+        **loaded,
+    )
+
+
+def _address(address: str) -> str:
+    """HOST:PORT (HOST may be empty: every address), or empty."""
+    host, colon, port = address.rpartition(":")
+    if address and not (colon and port.isdigit() and 0 < int(port) < 65536):
+        raise CannotStart(f"--metrics-address {address!r} is not HOST:PORT (a port from 1 to 65535)")
+    return address
+
+
+def _simulated_workers(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise CannotStart(f"--workers {args.workers}: at least 1")
+    return args.workers

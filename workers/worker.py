@@ -47,6 +47,7 @@ from telemetry.metrics import RequestTimer, metrics_of, record_backlog
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, Model
 from workers.load_report import LoadReporter
+from workers.settings import WorkerSettings
 
 log = structlog.get_logger(__name__)
 
@@ -62,14 +63,6 @@ _FORGET_GONE_GATEWAY_S = 3600.0  # the longest timeout a request may have
 # Own heartbeats published this long without one coming back: rebuild the control consumer.
 _CONTROL_STUCK_S = 10.0
 _NOTHING_TO_ACKNOWLEDGE = "inbox"  # a Delivery's source: read from the inbox, or acknowledged already
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    worker_id: str
-    topic_prefix: str = "tokenrelay"
-    partitions: int = 8  # per request topic: up to this many workers share a priority
-    heartbeat_interval_s: float = 1.0
 
 
 @dataclass

@@ -155,9 +155,10 @@ def fleet(
 
 
 async def _watching(bootstrap: str, prefix: str, bases: list[str], workers: int):
-    from bus.kafka import KafkaBus, KafkaSettings
+    from bus.factory import open_bus
+    from bus.settings import KafkaSettings
 
-    bus = KafkaBus(KafkaSettings(bootstrap_servers=bootstrap), client_id="bench-scale")
+    bus = open_bus(KafkaSettings(bootstrap_servers=bootstrap), client_id="bench-scale")
     await bus.start()
     watch = FleetWatch(bases)
     tasks = [

@@ -16,14 +16,15 @@ import uuid
 
 from schemas.messages import GenerationRequest, SamplingParams, TokenEvent
 from tokenrelay.bench.serve import Outcome, Request
-from tokenrelay.settings import parse_args
+from tokenrelay.settings import settings_from
 from tokenrelay.worker_parts import engine_parts
 from workers.engine.engine import Engine
 
 
 class EngineTopology:
     def __init__(self, worker_args: list[str]) -> None:
-        model, config, _ = engine_parts(parse_args(["serve", *worker_args]))
+        settings = settings_from(["serve", *worker_args])
+        model, config = engine_parts(settings.model, settings.engine)
         self._steps: queue.SimpleQueue[tuple[float, list[TokenEvent]]] = queue.SimpleQueue()
         self._engine = Engine(model, config, lambda events: self._steps.put((time.perf_counter(), events)))
         self._engine.start()

@@ -1,0 +1,29 @@
+"""A worker's settings: who it is on the bus, and which model it runs.
+
+A light module (no torch), so that a command's settings are built and checked
+(tokenrelay/settings.py), and sent to serve's engine process, before the
+model's libraries are imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    worker_id: str
+    topic_prefix: str = "tokenrelay"
+    partitions: int = 8  # per request topic: up to this many workers share a priority
+    heartbeat_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model a worker runs, and the names clients call it by (aliases of each other)."""
+
+    served_names: tuple[str, ...]
+    path: str = ""  # a Hugging Face model directory or hub id
+    device: str = "auto"  # auto (CUDA if available), cpu, cuda or cuda:N
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on the CPU
+    simulate: str = ""  # a step-time profile (workers/simulated/) to run instead: no weights, no torch
