@@ -40,4 +40,3 @@ class KafkaSettings:
     # A request queue's consumer that fetched nothing this long while its partitions
     # have requests it has not read is stuck (it happens after a broker restart): rebuilt.
     consumer_stuck_s: float = 30.0
-
