@@ -14,6 +14,7 @@ from tests.reference import bundled
 from tokenrelay.bench import plots
 from tokenrelay.bench.chaos import OUTCOMES, Kind, Refused, stream
 from tokenrelay.bench.engine import run_static_batches, run_transformers_continuous, workload
+from workers.engine.config import EngineConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -89,8 +90,22 @@ def test_a_baseline_past_its_timeout_reports_what_it_made_by_then():
     static = run_static_batches(loaded, requests, 2, timeout_s=0.0)
     # The first step of the first batch is already late: its two rows have one token each.
     assert static.timed_out and static.completed == 0 and static.output_tokens == 2 and static.requests == 4
-    continuous = run_transformers_continuous(loaded, requests, timeout_s=0.0, kv_cache_bytes=64 << 20)
+    small = EngineConfig(kv_cache_bytes=64 << 20).for_device("cpu")
+    continuous = run_transformers_continuous(loaded, requests, timeout_s=0.0, engine=small)
     assert continuous.timed_out and continuous.completed < 4  # transformers takes tens of ms for any of them
+
+
+def test_transformers_continuous_batching_runs_within_the_engine_s_budgets_whatever_memory_is_free(monkeypatch):
+    """The baseline gets the engine's KV cache and step budgets, so it needs the same memory on any machine:
+    it runs where transformers finds only 3 GiB available. Sized by transformers itself (8192 tokens a step
+    over the engine's 1 GiB of KV cache) it would reserve ~11 GB and refuse to start (MemoryError)."""
+    from transformers.generation.continuous_batching import cache
+
+    monkeypatch.setattr(cache.PagedAttentionMemoryHandler, "get_available_memory", lambda self: 3 * 2**30)
+    loaded = bundled()
+    requests = workload(3, (8, 16), (4, 6), loaded.vocab_size, seed=5)
+    result = run_transformers_continuous(loaded, requests, 300, EngineConfig().for_device("cpu"))
+    assert result.completed == 3 and result.output_tokens == sum(r.output_len for r in requests)
 
 
 async def test_a_connection_closed_before_any_answer_is_a_refusal_to_retry_elsewhere():

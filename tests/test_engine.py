@@ -20,14 +20,15 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from schemas.messages import FinishReason, GenerationRequest, SamplingParams, TokenEvent
+from schemas.messages import FinishReason, SamplingParams, TokenEvent
 from tests.devices import TEST_DEVICE
 from tests.test_cuda_graphs import replay_eagerly
 from workers.bundled import BUNDLED_MODEL
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.model_loader import KVGeometry, load_model, random_model
-from workers.engine.model_runner import ModelRunner, StepLayout
+from workers.engine.model_loader import load_model, random_model
+from workers.engine.model_runner import KVGeometry, ModelRunner, StepLayout
+from workers.engine.request import EngineRequest
 from workers.engine.sampler import Draw, DrawBatch, choose
 
 # With the bundled model, greedy decoding ends these two with EOS within a few
@@ -73,7 +74,7 @@ class Harness:
         request_id = uuid.uuid4().hex
         now = time.time()
         self.engine.submit(
-            GenerationRequest(
+            EngineRequest(
                 request_id=request_id,
                 model="m",
                 prompt_text=prompt if isinstance(prompt, str) else None,
@@ -81,9 +82,7 @@ class Harness:
                 sampling=SamplingParams(seed=sampling.pop("seed", 1), max_new_tokens=max_new_tokens, **sampling),
                 priority=priority,
                 generated_token_ids=list(generated),
-                arrival=now,
                 deadline=now + timeout_s,
-                reply_to="replies",
             ),
             time.monotonic(),
         )

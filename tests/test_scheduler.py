@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
-from schemas.messages import GenerationRequest, SamplingParams
+from schemas.messages import SamplingParams
 from workers.engine.block_manager import BlockManager
+from workers.engine.request import EngineRequest
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence, Status
 from workers.engine.stop_strings import StopStrings
@@ -17,15 +18,13 @@ class _NoText:
 
 
 def _sequence(tokens: list[int], priority: int = 5, name: str = "") -> Sequence:
-    request = GenerationRequest(
+    request = EngineRequest(
         request_id=name or str(id(tokens)),
         model="m",
         prompt_token_ids=tokens,
         sampling=SamplingParams(seed=1),
         priority=priority,
-        arrival=0.0,
         deadline=1e12,
-        reply_to="r",
     )
     from workers.engine.detokenizer import IncrementalDetokenizer
 

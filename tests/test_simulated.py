@@ -7,10 +7,11 @@ import subprocess
 import sys
 import time
 
-from schemas.messages import GenerationRequest, SamplingParams
+from schemas.messages import SamplingParams
 from tests.test_scheduler import _sequence
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+from workers.engine.request import EngineRequest
 from workers.engine.scheduler import Chunk
 from workers.simulated.model import SimulatedModel, simulated_token
 from workers.simulated.profile import Profile, StepCost, names
@@ -45,7 +46,7 @@ def test_a_step_takes_the_profiles_time_for_its_shape():
     assert output.tokens == [simulated_token(1, 0)] and output.logprobs == [None]
 
 
-def _run(engine: Engine, events: queue.Queue, request: GenerationRequest) -> list:
+def _run(engine: Engine, events: queue.Queue, request: EngineRequest) -> list:
     engine.submit(request, time.monotonic())
     got = []
     while not got or got[-1].finish_reason is None:
@@ -60,15 +61,15 @@ def test_tokens_come_from_the_seed_and_index_so_a_failover_goes_on_exactly():
     engine.start()
     try:
         now = time.time()
-        fields = dict(model="m", prompt_text="a prompt " * 40, arrival=now, deadline=now + 60, reply_to="r")
+        fields = dict(model="m", prompt_text="a prompt " * 40, deadline=now + 60)
         whole = _run(
             engine,
             events,
-            GenerationRequest(request_id="a", sampling=SamplingParams(seed=7, max_new_tokens=6), **fields),
+            EngineRequest(request_id="a", sampling=SamplingParams(seed=7, max_new_tokens=6), **fields),
         )
         tokens = [e.token_ids[0] for e in whole]
         assert tokens == [simulated_token(7, i) for i in range(6)]
-        resumed = GenerationRequest(
+        resumed = EngineRequest(
             request_id="b",
             attempt=1,
             generated_token_ids=tokens[:2],

@@ -14,10 +14,11 @@ import uuid
 
 import pytest
 
-from schemas.messages import GenerationRequest, ImagePart, SamplingParams, TextPart
+from schemas.messages import ImagePart, SamplingParams, TextPart
 from tests.test_engine import Harness
 from tests.vision_models import FAMILIES, drawn_image, reference_tokens, tiny_vlm
 from workers.engine.config import EngineConfig
+from workers.engine.request import EngineRequest
 
 PLACEHOLDER = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 BLOCK_BYTES = 2 * 2 * 32 * 2 * 16 * 8  # K and V, layers, block size, KV heads, head dim, float64
@@ -29,16 +30,14 @@ def submit(h: Harness, parts: list, max_new_tokens: int, priority: int = 5) -> s
     now = time.time()
     prompt = [TextPart(text=p) if isinstance(p, str) else ImagePart() for p in parts]
     h.engine.submit(
-        GenerationRequest(
+        EngineRequest(
             request_id=request_id,
             model="m",
             prompt_parts=prompt,
             images=[p for p in parts if isinstance(p, bytes)],
             sampling=SamplingParams(seed=1, max_new_tokens=max_new_tokens),
             priority=priority,
-            arrival=now,
             deadline=now + 300,
-            reply_to="replies",
         ),
         time.monotonic(),
     )

@@ -31,6 +31,7 @@ from prometheus_client import Counter
 
 from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, offer
 from bus.peers import PeerClock, send_own_heartbeat
+from bus.prefixes import CHUNK_BYTES, prefix_hashes, prompt_bytes
 from bus.topics import control_topic, inbox_topic, request_topics, routing_topic, worker_group
 from schemas.messages import (
     CancelRequest,
@@ -46,6 +47,7 @@ from schemas.messages import (
 from telemetry.metrics import RequestTimer, metrics_of, record_backlog
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, Model
+from workers.engine.request import EngineRequest, PromptPrefixes
 from workers.load_report import LoadReporter
 from workers.settings import WorkerSettings
 
@@ -315,7 +317,7 @@ class Worker:
         elif self._has_room(request.priority):
             self._gateways.expect(request.reply_to, time.monotonic())
             self._active[request.request_id] = _Taken(delivery, RequestTimer(self._metrics, request))
-            self._engine.submit(request, time.monotonic())
+            self._engine.submit(engine_request(request), time.monotonic())
             self._load.changed()
             log.info(
                 "request_admitted",
@@ -476,3 +478,25 @@ class Worker:
             except BusUnavailable as error:
                 log.debug("liveness_not_checked", error=str(error))
             await asyncio.sleep(_BACKLOG_INTERVAL_S)
+
+
+def engine_request(request: GenerationRequest) -> EngineRequest:
+    """The engine's request for one from the bus, its prompt's prefixes named as routers name them."""
+    return EngineRequest(
+        request_id=request.request_id,
+        sampling=request.sampling,
+        deadline=request.deadline,
+        model=request.model,
+        attempt=request.attempt,
+        priority=request.priority,
+        prompt_text=request.prompt_text,
+        prompt_token_ids=request.prompt_token_ids,
+        chat_messages=request.chat_messages,
+        prompt_parts=request.prompt_parts,
+        images=tuple(request.images),
+        tools=request.tools,
+        truncate=request.truncate,
+        tokens_before=request.tokens_before,
+        generated_token_ids=tuple(request.generated_token_ids),
+        prefixes=PromptPrefixes(tuple(prefix_hashes(request)), len(prompt_bytes(request)), CHUNK_BYTES),
+    )

@@ -19,8 +19,8 @@ import torch
 
 from schemas.messages import SamplingParams
 from workers.engine.config import EngineConfig
-from workers.engine.model_loader import KVGeometry, LoadedModel
-from workers.engine.model_runner import ModelRunner, StepLayout
+from workers.engine.model_loader import LoadedModel
+from workers.engine.model_runner import KVGeometry, ModelRunner, StepLayout
 from workers.engine.sampler import Draw, DrawBatch, sample
 
 

@@ -161,21 +161,20 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[Request
 
 
 def _engine_pass(engine: Engine, events: queue.SimpleQueue, requests: list[Request], ids: list[str] | None = None):
-    from schemas.messages import GenerationRequest, SamplingParams
+    from schemas.messages import SamplingParams
+    from workers.engine.request import EngineRequest
 
     ids = ids or [uuid.uuid4().hex for _ in requests]
     now = time.time()
     for request_id, request in zip(ids, requests, strict=True):
         sampling = SamplingParams(seed=1, max_new_tokens=request.output_len, ignore_eos=True)
         engine.submit(
-            GenerationRequest(
+            EngineRequest(
                 request_id=request_id,
                 model="bench",
                 prompt_token_ids=request.prompt,
                 sampling=sampling,
-                arrival=now,
                 deadline=now + 3600,
-                reply_to="bench",
             ),
             time.monotonic(),
         )
@@ -260,19 +259,22 @@ def run_static_batches(loaded: LoadedModel, requests: list[Request], batch_size:
 
 
 def run_transformers_continuous(
-    loaded: LoadedModel, requests: list[Request], timeout_s: float, kv_cache_bytes: int | None = None
+    loaded: LoadedModel, requests: list[Request], timeout_s: float, engine: EngineConfig
 ) -> Result:
-    """Finished requests only count: transformers reports a request's tokens when it ends. `kv_cache_bytes`:
-    the engine's KV budget, given to transformers too (None: transformers sizes its cache itself)."""
+    """Finished requests only count: transformers reports a request's tokens when it ends. `engine`: the
+    engine's settings for the model's device, whose KV budget and step budget transformers gets too. Both
+    given, the same workload needs the same memory on any machine; left to transformers, they are sized
+    from a share of the memory that happens to be free (and its default 8192 tokens a step reserve ~11 GB
+    for the bundled model, refused wherever less is free)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from workers.engine.model_loader import KVGeometry
+    from workers.engine.model_runner import KVGeometry
 
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=loaded.tokenizer.pad_token_id or 0)
-    batching = ContinuousBatchingConfig()
-    if kv_cache_bytes is not None:  # else, on a CPU, it takes most of the free memory, which takes seconds
+    batching = ContinuousBatchingConfig(max_batch_tokens=engine.max_tokens_per_step)
+    if engine.kv_cache_bytes is not None:  # a GPU's is a share of its free memory: transformers takes its own
         per_token = KVGeometry.of(loaded.model).bytes_per_token
-        batching.num_blocks = max(1, kv_cache_bytes // (per_token * batching.page_size))
+        batching.num_blocks = max(1, engine.kv_cache_bytes // (per_token * batching.page_size))
     manager = loaded.model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
     manager.start()
     timed_out = False
@@ -452,8 +454,8 @@ def main(argv: list[str] | None = None) -> None:
         _print("transformers_one_at_a_time", baselines["transformers_one_at_a_time"], out, progress)
     if "continuous" not in args.skip:
         subset = requests[: args.continuous_batching]
-        kv_budget = engine_config.for_device(engine_model.device.type).kv_cache_bytes
-        result = run_transformers_continuous(baseline_model, subset, args.baseline_timeout, kv_budget)
+        on_device = engine_config.for_device(engine_model.device.type)
+        result = run_transformers_continuous(baseline_model, subset, args.baseline_timeout, on_device)
         baselines["transformers_continuous_batching"] = result
         _print("transformers_continuous_batching", result, out, progress)
     progress.close()

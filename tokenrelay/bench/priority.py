@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from tokenrelay.bench.serve import load_client, sse
+from tokenrelay.bench.load import load_client, sse
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 
 MODEL = "tokenrelay-tiny"

@@ -45,7 +45,7 @@ import httpx
 
 from bus.topics import routing_topic
 from tokenrelay.bench import plots
-from tokenrelay.bench.serve import Outcome, Request, load_client, one_stream, percentiles, sse
+from tokenrelay.bench.load import Outcome, Request, load_client, one_stream, percentiles, sse
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 from workers.simulated.profile import Profile, StepCost
 

@@ -14,11 +14,12 @@ import random
 import time
 import uuid
 
-from schemas.messages import GenerationRequest, SamplingParams, TokenEvent
-from tokenrelay.bench.serve import Outcome, Request
+from schemas.messages import SamplingParams, TokenEvent
+from tokenrelay.bench.load import Outcome, Request
 from tokenrelay.settings import settings_from
 from tokenrelay.worker_parts import engine_parts
 from workers.engine.engine import Engine
+from workers.engine.request import EngineRequest
 
 
 class EngineTopology:
@@ -65,14 +66,12 @@ class EngineTopology:
 
     def _submit(self, request: Request) -> str:
         now = time.time()
-        generation = GenerationRequest(
+        generation = EngineRequest(
             request_id=uuid.uuid4().hex,
             model="bench",
             prompt_text=request.prompt,
             sampling=SamplingParams(max_new_tokens=request.max_new_tokens, seed=1),
-            arrival=now,
             deadline=now + 3600,
-            reply_to="bench",
         )
         self._engine.submit(generation, time.monotonic())
         return generation.request_id

@@ -24,15 +24,14 @@ from typing import Any, Protocol
 
 import structlog
 
-from bus.prefixes import CHUNK_BYTES, prefix_hashes, prompt_bytes
-from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TextPart, TokenEvent
+from schemas.messages import ErrorInfo, FinishReason, TokenEvent
+from workers.engine.admission import Admission, Rejected, Submitted, unstarted_end
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.request import EngineRequest
 from workers.engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.engine.step_output import StepOutput
-from workers.engine.stop_strings import StopStrings
 
 log = structlog.get_logger(__name__)
 
@@ -73,20 +72,11 @@ class Model(Protocol):
 
 
 @dataclass(frozen=True)
-class _Submit:
-    request: GenerationRequest
-    received_at: float
-    matcher: Any = None  # its grammar compiled: an llguidance LLMatcher
-    refusal: str | None = None  # why its grammar could not be compiled
-
-
-@dataclass(frozen=True)
 class _Cancel:
     request_id: str
 
 
 _STOP = object()  # put in the inbox to end the engine thread
-_GENERATION_ERROR = "Generation Error"
 
 
 class Engine:
@@ -101,7 +91,8 @@ class Engine:
         """`loaded`: a LoadedModel (model_loader.py) or a SimulatedModel (workers/simulated/), whose
         runner computes the steps; `graph_capture`: how a ModelRunner captures decode graphs
         (cuda_graphs.py); tests replace it on the CPU. `on_cache(added, removed)`: the prompt prefix
-        hashes (bus/prefixes.py) that became cached and that were evicted, after the steps that change them."""
+        hashes (the requests' PromptPrefixes, request.py) that became cached and that were evicted, after the
+        steps that change them."""
         self._loaded = loaded
         self.config = config = config.for_device(loaded.device_type)  # the device's defaults filled in
         self._on_step = on_step
@@ -119,12 +110,13 @@ class Engine:
         )
         self._sequences: dict[str, Sequence] = {}
         self.seconds_per_prompt_token = 0.0  # of the steps with prompt chunks, lately (a router weighs waits by it)
-        self._inbox: queue.SimpleQueue[_Submit | _Cancel | object] = queue.SimpleQueue()
-        self._deferred: list[_Submit | _Cancel | object] = []  # read within a step, applied after it
+        self._inbox: queue.SimpleQueue[Submitted | _Cancel | object] = queue.SimpleQueue()
+        self._deferred: list[Submitted | _Cancel | object] = []  # read within a step, applied after it
         self._yielded_s = 0.0  # spent within the current step on urgent requests' steps
         # Requests whose grammar is compiling (added by submit's thread), and those of them already cancelled.
         self._compiling: set[str] = set()
         self._cancelled_compiling: set[str] = set()
+        self._admission = Admission(loaded, self._vision, config, self.max_input_len)
         self._runner.yield_between_layers(self._start_urgent)
         self._thread: threading.Thread | None = None  # start()'s
 
@@ -175,21 +167,21 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, request: GenerationRequest, received_at: float) -> None:
+    def submit(self, request: EngineRequest, received_at: float) -> None:
         """Queue a request; its events come out of `on_step`. Thread-safe. A request with a grammar
         is queued once the grammar is compiled, which neither the caller nor the engine thread waits for."""
         grammar = request.sampling.grammar
         if grammar is None:
-            self._inbox.put(_Submit(request, received_at))
+            self._inbox.put(Submitted(request, received_at))
         elif self._grammars is None:
-            self._inbox.put(_Submit(request, received_at, refusal="this worker's model cannot constrain its output"))
+            self._inbox.put(Submitted(request, received_at, refusal="this worker's model cannot constrain its output"))
         else:
             self._compiling.add(request.request_id)
 
             def compiled(matcher) -> None:
                 refused = isinstance(matcher, Exception)
                 self._inbox.put(
-                    _Submit(request, received_at, None if refused else matcher, str(matcher) if refused else None)
+                    Submitted(request, received_at, None if refused else matcher, str(matcher) if refused else None)
                 )
 
             self._grammars.compile(grammar, compiled)
@@ -229,7 +221,7 @@ class Engine:
                 if added or removed:
                     self._on_cache(added, removed)
 
-    def _apply(self, command: _Submit | _Cancel) -> list[TokenEvent]:
+    def _apply(self, command: Submitted | _Cancel) -> list[TokenEvent]:
         if isinstance(command, _Cancel):
             sequence = self._sequences.get(command.request_id)
             if sequence is None and command.request_id in self._compiling:
@@ -239,10 +231,10 @@ class Engine:
         self._compiling.discard(request.request_id)
         if request.request_id in self._cancelled_compiling:  # cancelled while its grammar compiled
             self._cancelled_compiling.discard(request.request_id)
-            return [_unstarted_end(request, FinishReason.STOP_SEQUENCE)]
+            return [unstarted_end(request, FinishReason.STOP_SEQUENCE)]
         try:
-            sequence = self._admit(command)
-        except _Rejected as rejected:
+            sequence = self._admission.admit(command)
+        except Rejected as rejected:
             return [rejected.event]
         if sequence.generated and self._out_of_room(sequence, len(sequence.generated)):
             # A failover of a request whose last event was lost: nothing is left to generate.
@@ -250,100 +242,6 @@ class Engine:
         self._sequences[sequence.request_id] = sequence
         self._scheduler.add(sequence)
         return []
-
-    def _admit(self, submitted: _Submit) -> Sequence:
-        request, received_at = submitted.request, submitted.received_at
-        tokenizer = self._loaded.tokenizer
-        if submitted.refusal is not None:
-            raise _Rejected(request, f"the grammar cannot be applied: {submitted.refusal}")
-        images = None
-        if request.prompt_token_ids is not None:
-            prompt_ids = request.prompt_token_ids
-            invalid = [t for t in prompt_ids if not 0 <= t < self._loaded.vocab_size]
-            if invalid:
-                vocab = self._loaded.vocab_size
-                raise _Rejected(request, f"token id {invalid[0]} is outside the vocabulary [0, {vocab})")
-        elif request.chat_messages is not None or request.prompt_parts is not None:
-            prompt_ids, images = self._with_images(request)
-        else:
-            prompt_ids = tokenizer(request.prompt_text)["input_ids"]
-        if request.truncate is not None:
-            if images is not None and request.truncate < len(prompt_ids):
-                raise _Rejected(request, "a prompt with images cannot be truncated (truncate)")
-            prompt_ids = prompt_ids[-request.truncate :]
-        if not prompt_ids:
-            raise _Rejected(request, "the prompt has no tokens")
-        if len(prompt_ids) > self.max_input_len:
-            raise _Rejected(
-                request,
-                f"the prompt has {len(prompt_ids)} tokens after tokenization; at most {self.max_input_len} are allowed",
-            )
-        budget = min(request.sampling.max_new_tokens, self.config.max_iter_times) - request.tokens_before
-        if budget < 1:
-            raise _Rejected(request, f"no token is left to generate after the {request.tokens_before} generated before")
-        sequence = Sequence(
-            request=request,
-            prompt_ids=prompt_ids,
-            max_new_tokens=budget,
-            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids, request.sampling.skip_special_tokens),
-            stop_strings=StopStrings(request.sampling.stop, request.sampling.include_stop_str_in_output),
-            received_at=received_at,
-            matcher=submitted.matcher,
-            images=images,
-        )
-        sequence.replay(request.generated_token_ids)  # the text goes on exactly where the client's stopped
-        if self._on_cache is not None:
-            sequence.prefix_marks = self._prefix_marks(request, len(prompt_ids))
-        return sequence
-
-    def _prefix_marks(self, request: GenerationRequest, prompt_tokens: int) -> dict[int, list[int]]:
-        """Where each named prefix of the prompt ends among its KV blocks, in proportion to its bytes (a
-        router's estimate: the names are of bytes, the blocks of tokens)."""
-        tokens_per_byte = prompt_tokens / max(1, len(prompt_bytes(request)))
-        marks: dict[int, list[int]] = {}
-        for number, prefix in enumerate(prefix_hashes(request), start=1):
-            block = int(number * CHUNK_BYTES * tokens_per_byte) // self.config.block_size - 1
-            if block >= 0:
-                marks.setdefault(block, []).append(prefix)
-        return marks
-
-    def _with_images(self, request: GenerationRequest) -> tuple[list[int], Any]:
-        """The token ids of a chat or of a raw prompt in parts, and what its images need (vision.py), if any."""
-        if request.images and self._vision is None:
-            raise _Rejected(request, f"model {request.model} does not accept image input")
-        if request.chat_messages is None:
-            text = "".join(
-                p.text if isinstance(p, TextPart) else self._vision.placeholder for p in request.prompt_parts
-            )
-        elif self._vision is None:
-            return self._render_chat(request), None
-        else:
-            text = self._rendered(request, self._vision.render_chat)
-        if self._vision is None:
-            return self._loaded.tokenizer(text)["input_ids"], None
-        from workers.engine.vision import ImageRefused
-
-        try:
-            return self._vision.prepare(text, request.images, rendered=request.chat_messages is not None)
-        except ImageRefused as refused:
-            raise _Rejected(request, str(refused)) from None
-
-    def _render_chat(self, request: GenerationRequest) -> list[int]:
-        tokenizer = self._loaded.tokenizer
-        if not tokenizer.chat_template:
-            raise _Rejected(request, "this model has no chat template; use a completion route")
-        rendered = self._rendered(
-            request, lambda m, t: tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=True)
-        )
-        return rendered["input_ids"]
-
-    @staticmethod
-    def _rendered(request: GenerationRequest, render: Callable[[list[dict], list[dict] | None], Any]) -> Any:
-        messages = [m.model_dump(exclude_none=True) for m in request.chat_messages or ()]
-        try:
-            return render(messages, request.tools)
-        except Exception as error:  # the template refuses the conversation (roles out of order, ...)
-            raise _Rejected(request, f"the chat template cannot render these messages: {error}") from None
 
     def _end(self, sequence: Sequence, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
         self._scheduler.remove(sequence)
@@ -381,7 +279,7 @@ class Engine:
         """
         while not self._inbox.empty():
             command = self._inbox.get_nowait()
-            if not isinstance(command, _Submit) or not self._scheduler.outranks_running(command.request.priority):
+            if not isinstance(command, Submitted) or not self._scheduler.outranks_running(command.request.priority):
                 self._deferred.append(command)
                 continue
             started_at = time.monotonic()
@@ -432,26 +330,6 @@ class Engine:
     def _out_of_room(self, sequence: Sequence, generated: int) -> bool:
         """Whether a sequence with `generated` tokens has reached max_new_tokens or max_seq_len."""
         return generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self.config.max_seq_len
-
-
-class _Rejected(Exception):
-    """A request the engine cannot run; its event says why (a 424, per the contract)."""
-
-    def __init__(self, request: GenerationRequest, message: str) -> None:
-        super().__init__(message)
-        error = ErrorInfo(message=message, error_type=_GENERATION_ERROR, status=424)
-        self.event = _unstarted_end(request, FinishReason.INVALID_FLAG, error)
-
-
-def _unstarted_end(request: GenerationRequest, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
-    """The last event of a request that ends before the engine starts it: after the tokens delivered before."""
-    return TokenEvent(
-        request_id=request.request_id,
-        attempt=request.attempt,
-        index=request.tokens_before + len(request.generated_token_ids),
-        finish_reason=reason,
-        error=error,
-    )
 
 
 def _timeout_error(sequence: Sequence) -> ErrorInfo:

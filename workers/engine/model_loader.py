@@ -65,26 +65,6 @@ class LoadedModel:
         return Grammars(self.tokenizer, self.model.get_output_embeddings().weight.shape[0])
 
 
-@dataclass(frozen=True)
-class KVGeometry:
-    """What a model keeps per cached token: keys and values of every layer."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    itemsize: int
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> KVGeometry:
-        config = model.config.get_text_config()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype.itemsize)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
-
-
 def pick_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

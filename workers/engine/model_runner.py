@@ -23,6 +23,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -32,12 +33,14 @@ from workers.engine.attention import IMPLEMENTATION, KERNELS, PagedBatch, Prompt
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.grammar import allowed_tokens
-from workers.engine.model_loader import KVGeometry, LoadedModel
 from workers.engine.output_head import OutputHead
 from workers.engine.sampler import Draw, DrawBatch, choose, sample, score
 from workers.engine.scheduler import Chunk
 from workers.engine.step_output import Scored, StepOutput
 from workers.engine.transfer import to_device
+
+if TYPE_CHECKING:  # model_loader builds its runners with this module
+    from workers.engine.model_loader import LoadedModel
 
 log = structlog.get_logger(__name__)
 _GIB = 2**30
@@ -153,6 +156,26 @@ class PromptScoring:
             tops.extend([top] * (end - start))
             spans.append((sequence.request_id, end - start))
         return cls(rows, targets, tops, spans)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What a model keeps per cached token: keys and values of every layer."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> KVGeometry:
+        config = model.config.get_text_config()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype.itemsize)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
 
 class ModelRunner:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
-from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenInfo
+from schemas.messages import ErrorInfo, FinishReason, TokenEvent, TokenInfo
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.request import EngineRequest
 from workers.engine.step_output import Scored
 from workers.engine.stop_strings import StopStrings
 
@@ -24,7 +25,7 @@ class Status(Enum):
 
 @dataclass
 class Sequence:
-    request: GenerationRequest
+    request: EngineRequest
     prompt_ids: list[int]
     max_new_tokens: int  # left to generate: the request's, capped by the engine, less tokens_before
     detokenizer: IncrementalDetokenizer
@@ -39,7 +40,7 @@ class Sequence:
     admitted_urgency: float = 0.0  # its aged priority when last admitted (see Scheduler._victim)
     last_token_at: float | None = None
     preemptions: int = 0
-    # Block index -> the prompt prefix hashes (bus/prefixes.py) whose prefix ends in that block.
+    # Block index -> the prompt prefix hashes (request.py's PromptPrefixes) whose prefix ends in that block.
     prefix_marks: dict[int, list[int]] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     prompt_scores: list[Scored] = field(default_factory=list)  # [i] scores prompt token i + 1, when asked

@@ -1,0 +1,160 @@
+"""Admission: a request turned into a sequence the scheduler can run, or refused with the reason why.
+
+Between steps, on the engine thread: the prompt is tokenized (text, token ids,
+a chat rendered by the model's template, a prompt with images prepared for a
+vision-language model), truncated where asked, checked against the limits,
+and its named prefixes placed among its KV blocks. A refusal is the request's
+last event, a 424 per the contract, after whatever its client already has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.messages import ErrorInfo, FinishReason, TextPart, TokenEvent
+from workers.engine.config import EngineConfig
+from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.request import EngineRequest
+from workers.engine.sequence import Sequence
+from workers.engine.stop_strings import StopStrings
+
+GENERATION_ERROR = "Generation Error"
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A request handed to the engine, with its grammar compiled (or why it could not be)."""
+
+    request: EngineRequest
+    received_at: float  # time.monotonic() when the worker took it
+    matcher: Any = None  # its grammar compiled: an llguidance LLMatcher
+    refusal: str | None = None  # why its grammar could not be compiled
+
+
+class Rejected(Exception):
+    """A request the engine cannot run; its event says why (a 424, per the contract)."""
+
+    def __init__(self, request: EngineRequest, message: str) -> None:
+        super().__init__(message)
+        error = ErrorInfo(message=message, error_type=GENERATION_ERROR, status=424)
+        self.event = unstarted_end(request, FinishReason.INVALID_FLAG, error)
+
+
+def unstarted_end(request: EngineRequest, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
+    """The last event of a request that ends before the engine starts it: after the tokens delivered before."""
+    return TokenEvent(
+        request_id=request.request_id,
+        attempt=request.attempt,
+        index=request.tokens_before + len(request.generated_token_ids),
+        finish_reason=reason,
+        error=error,
+    )
+
+
+class Admission:
+    def __init__(self, model: Any, vision: Any, config: EngineConfig, max_input_len: int) -> None:
+        """`model`: the engine's (its tokenizer and vocabulary); `vision`: its images' preparation
+        (vision.py), None for a text-only model; `config` with the device's defaults."""
+        self._tokenizer = model.tokenizer
+        self._vocab_size = model.vocab_size
+        self._vision = vision
+        self._config = config
+        self._max_input_len = max_input_len
+
+    def admit(self, submitted: Submitted) -> Sequence:
+        """The request's sequence, its generated tokens replayed; Rejected when it cannot run."""
+        request = submitted.request
+        if submitted.refusal is not None:
+            raise Rejected(request, f"the grammar cannot be applied: {submitted.refusal}")
+        prompt_ids, images = self._prompt(request)
+        if request.truncate is not None:
+            if images is not None and request.truncate < len(prompt_ids):
+                raise Rejected(request, "a prompt with images cannot be truncated (truncate)")
+            prompt_ids = prompt_ids[-request.truncate :]
+        if not prompt_ids:
+            raise Rejected(request, "the prompt has no tokens")
+        if len(prompt_ids) > self._max_input_len:
+            limit = self._max_input_len
+            raise Rejected(
+                request, f"the prompt has {len(prompt_ids)} tokens after tokenization; at most {limit} are allowed"
+            )
+        budget = min(request.sampling.max_new_tokens, self._config.max_iter_times) - request.tokens_before
+        if budget < 1:
+            raise Rejected(request, f"no token is left to generate after the {request.tokens_before} generated before")
+        sequence = Sequence(
+            request=request,
+            prompt_ids=prompt_ids,
+            max_new_tokens=budget,
+            detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_ids, request.sampling.skip_special_tokens),
+            stop_strings=StopStrings(request.sampling.stop, request.sampling.include_stop_str_in_output),
+            received_at=submitted.received_at,
+            matcher=submitted.matcher,
+            images=images,
+        )
+        sequence.replay(request.generated_token_ids)  # the text goes on exactly where the client's stopped
+        if request.prefixes is not None:
+            sequence.prefix_marks = self._prefix_marks(request, len(prompt_ids))
+        return sequence
+
+    def _prompt(self, request: EngineRequest) -> tuple[list[int], Any]:
+        """The prompt's token ids, and what its images need (vision.py), if it has any."""
+        if request.prompt_token_ids is not None:
+            invalid = [t for t in request.prompt_token_ids if not 0 <= t < self._vocab_size]
+            if invalid:
+                raise Rejected(request, f"token id {invalid[0]} is outside the vocabulary [0, {self._vocab_size})")
+            return request.prompt_token_ids, None
+        if request.chat_messages is not None or request.prompt_parts is not None:
+            return self._with_images(request)
+        return self._tokenizer(request.prompt_text)["input_ids"], None
+
+    def _prefix_marks(self, request: EngineRequest, prompt_tokens: int) -> dict[int, list[int]]:
+        """Where each named prefix of the prompt ends among its KV blocks, in proportion to its bytes (a
+        router's estimate: the names are of bytes, the blocks of tokens)."""
+        prefixes = request.prefixes
+        tokens_per_byte = prompt_tokens / max(1, prefixes.prompt_bytes)
+        marks: dict[int, list[int]] = {}
+        for number, prefix in enumerate(prefixes.hashes, start=1):
+            block = int(number * prefixes.chunk_bytes * tokens_per_byte) // self._config.block_size - 1
+            if block >= 0:
+                marks.setdefault(block, []).append(prefix)
+        return marks
+
+    def _with_images(self, request: EngineRequest) -> tuple[list[int], Any]:
+        """The token ids of a chat or of a raw prompt in parts, and what its images need (vision.py), if any."""
+        if request.images and self._vision is None:
+            raise Rejected(request, f"model {request.model} does not accept image input")
+        if request.chat_messages is None:
+            text = "".join(
+                p.text if isinstance(p, TextPart) else self._vision.placeholder for p in request.prompt_parts
+            )
+        elif self._vision is None:
+            return self._render_chat(request), None
+        else:
+            text = self._rendered(request, self._vision.render_chat)
+        if self._vision is None:
+            return self._tokenizer(text)["input_ids"], None
+        from workers.engine.vision import ImageRefused
+
+        try:
+            return self._vision.prepare(text, list(request.images), rendered=request.chat_messages is not None)
+        except ImageRefused as refused:
+            raise Rejected(request, str(refused)) from None
+
+    def _render_chat(self, request: EngineRequest) -> list[int]:
+        tokenizer = self._tokenizer
+        if not tokenizer.chat_template:
+            raise Rejected(request, "this model has no chat template; use a completion route")
+        rendered = self._rendered(
+            request, lambda m, t: tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=True)
+        )
+        return rendered["input_ids"]
+
+    @staticmethod
+    def _rendered(request: EngineRequest, render: Callable[[list[dict], list[dict] | None], Any]) -> Any:
+        messages = [m.model_dump(exclude_none=True) for m in request.chat_messages or ()]
+        try:
+            return render(messages, request.tools)
+        except Exception as error:  # the template refuses the conversation (roles out of order, ...)
+            raise Rejected(request, f"the chat template cannot render these messages: {error}") from None
