@@ -75,6 +75,67 @@ fetch_jars() {
   fi
 }
 
+# Writes $2/server.properties: node $1, a broker and a controller in one JVM, clients on port $3 and its
+# controller on the next port, the controller quorum at $4 (HOST:PORT, comma-separated), every topic $5
+# times: 1 for the single node, 3 for a cluster.
+#
+# Both get the test suite's group settings: a group forms at once (no 3 s
+# initial rebalance delay) and accepts session timeouts down to 1 s, so that
+# group-membership tests take seconds rather than minutes. Topics are created
+# by the application, never implicitly by a typo.
+#
+# A cluster gets production's replication: three copies of every topic (the
+# internal ones too: group offsets, transactions, share groups), two of which
+# must hold a write before acks=all acknowledges it, and a replica that missed
+# writes never becomes leader (no unclean election: nothing acknowledged is
+# lost). And failure detection: a broker that sends the active controller no
+# heartbeat for broker.session.timeout.ms is fenced and its partitions get new
+# leaders from their in-sync replicas. Production's 9 s would keep producers
+# waiting on a dead leader that long; 4 s with a heartbeat a second still
+# leaves a busy 2-core machine room for GC pauses. A controller quorum
+# without its leader elects another after controller.quorum.fetch.timeout.ms
+# plus up to controller.quorum.election.timeout.ms (Kafka's defaults, written
+# out so that tests can read the bounds here).
+write_properties() {
+  local id="$1" home="$2" client_port="$3" controllers="$4" replicas="$5" in_sync=1
+  [ "$replicas" -gt 1 ] && in_sync=2
+  mkdir -p "$home"
+  {
+    cat <<PROPS
+process.roles=broker,controller
+node.id=$id
+controller.quorum.bootstrap.servers=$controllers
+listeners=PLAINTEXT://127.0.0.1:$client_port,CONTROLLER://127.0.0.1:$((client_port + 1))
+advertised.listeners=PLAINTEXT://127.0.0.1:$client_port,CONTROLLER://127.0.0.1:$((client_port + 1))
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=$home/data
+num.partitions=1
+auto.create.topics.enable=false
+offsets.topic.replication.factor=$replicas
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=$replicas
+transaction.state.log.min.isr=$in_sync
+share.coordinator.state.topic.replication.factor=$replicas
+share.coordinator.state.topic.min.isr=$in_sync
+group.initial.rebalance.delay.ms=0
+group.min.session.timeout.ms=1000
+PROPS
+    if [ "$replicas" -gt 1 ]; then
+      cat <<PROPS
+default.replication.factor=$replicas
+min.insync.replicas=$in_sync
+unclean.leader.election.enable=false
+broker.heartbeat.interval.ms=1000
+broker.session.timeout.ms=4000
+controller.quorum.fetch.timeout.ms=2000
+controller.quorum.election.timeout.ms=1000
+PROPS
+    fi
+  } >"$home/server.properties"
+}
+
 start() {
   fetch_jars
   mkdir -p "$dir"
@@ -82,32 +143,7 @@ start() {
     echo "a broker already runs from $dir" >&2
     exit 1
   fi
-  controller_port=$((port + 1))
-  # The test suite's settings: a group forms at once (no 3 s initial rebalance
-  # delay) and accepts session timeouts down to 1 s, so that group-membership
-  # tests take seconds rather than minutes. Topics are created by the
-  # application, never implicitly by a typo.
-  cat >"$dir/server.properties" <<PROPS
-process.roles=broker,controller
-node.id=1
-controller.quorum.bootstrap.servers=127.0.0.1:$controller_port
-listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$controller_port
-advertised.listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$controller_port
-controller.listener.names=CONTROLLER
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
-inter.broker.listener.name=PLAINTEXT
-log.dirs=$dir/data
-num.partitions=1
-auto.create.topics.enable=false
-offsets.topic.replication.factor=1
-offsets.topic.num.partitions=8
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-group.min.session.timeout.ms=1000
-PROPS
+  write_properties 1 "$dir" "$port" "127.0.0.1:$((port + 1))" 1
   java_opts=(-Xms128m -Xmx512m -XX:+UseSerialGC -Dlog4j2.configurationFile="$here/log4j2.properties"
              -Dkafka.logs.dir="$dir")
   if [ ! -f "$dir/data/meta.properties" ]; then
@@ -208,54 +244,9 @@ await_nodes() {
 }
 
 write_node_config() {  # node $1's server.properties, for a cluster of $brokers nodes from $port
-  local i="$1" home="$dir/node$1" client_port controller_port controllers=()
+  local controllers=()
   for n in $(seq "$brokers"); do controllers+=("127.0.0.1:$((port + 2 * (n - 1) + 1))"); done
-  client_port=$((port + 2 * (i - 1)))
-  controller_port=$((client_port + 1))
-  mkdir -p "$home"
-  # Production's replication: three copies of every topic (the internal ones
-  # too: group offsets, transactions, share groups), two of which must hold a
-  # write before acks=all acknowledges it, and a replica that missed writes
-  # never becomes leader (no unclean election: nothing acknowledged is lost).
-  #
-  # Failure detection: a broker that sends the active controller no heartbeat
-  # for broker.session.timeout.ms is fenced and its partitions get new leaders
-  # from their in-sync replicas. Production's 9 s would keep producers waiting
-  # on a dead leader that long; 4 s with a heartbeat a second still leaves a
-  # busy 2-core machine room for GC pauses. A controller quorum without its
-  # leader elects another after controller.quorum.fetch.timeout.ms plus up to
-  # controller.quorum.election.timeout.ms (Kafka's defaults, written out so
-  # that tests can read the bounds here).
-  #
-  # The group settings are the test suite's, as the single node has them.
-  cat >"$home/server.properties" <<PROPS
-process.roles=broker,controller
-node.id=$i
-controller.quorum.bootstrap.servers=$(IFS=,; echo "${controllers[*]}")
-listeners=PLAINTEXT://127.0.0.1:$client_port,CONTROLLER://127.0.0.1:$controller_port
-advertised.listeners=PLAINTEXT://127.0.0.1:$client_port,CONTROLLER://127.0.0.1:$controller_port
-controller.listener.names=CONTROLLER
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
-inter.broker.listener.name=PLAINTEXT
-log.dirs=$home/data
-num.partitions=1
-auto.create.topics.enable=false
-default.replication.factor=3
-min.insync.replicas=2
-unclean.leader.election.enable=false
-offsets.topic.replication.factor=3
-offsets.topic.num.partitions=8
-transaction.state.log.replication.factor=3
-transaction.state.log.min.isr=2
-share.coordinator.state.topic.replication.factor=3
-share.coordinator.state.topic.min.isr=2
-broker.heartbeat.interval.ms=1000
-broker.session.timeout.ms=4000
-controller.quorum.fetch.timeout.ms=2000
-controller.quorum.election.timeout.ms=1000
-group.initial.rebalance.delay.ms=0
-group.min.session.timeout.ms=1000
-PROPS
+  write_properties "$1" "$dir/node$1" "$((port + 2 * ($1 - 1)))" "$(IFS=,; echo "${controllers[*]}")" 3
 }
 
 start_cluster() {
