@@ -2,13 +2,17 @@
 
 The broker is, in this order: the one named by KAFKA_BOOTSTRAP_SERVERS;
 testcontainers' Kafka when a Docker engine answers; else a local broker from
-deploy/kafka/ (Maven Central's jars, no Docker), started once per session.
+deploy/kafka/ (Maven Central's jars, no Docker), started once per session, or
+once for all the workers of a parallel run (`pytest -n 2`, as `make test`
+runs: pytest-xdist).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +27,9 @@ if os.environ.get("TOKENRELAY_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+BROKER = str(REPO / "deploy" / "kafka" / "broker.sh")
+
+
 def _docker_answers() -> bool:
     try:
         import docker
@@ -31,6 +38,52 @@ def _docker_answers() -> bool:
         return True
     except Exception:
         return False
+
+
+def _start_broker(data_dir: Path) -> str:
+    """A local broker from deploy/kafka/ with its data in `data_dir`; its bootstrap address."""
+    port = free_port(pair=True)  # the broker's port, and the controller's after it
+    started = subprocess.run(
+        [BROKER, "start", "--port", str(port), "--dir", str(data_dir)], capture_output=True, text=True, timeout=300
+    )
+    if started.returncode != 0:
+        pytest.fail(f"the local Kafka broker did not start:\n{started.stderr}")
+    return started.stdout.strip()
+
+
+def _stop_broker(data_dir: Path) -> None:
+    subprocess.run([BROKER, "stop", "--dir", str(data_dir)], timeout=60)
+
+
+_SHARED_BROKER = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`-n`), one local broker for every worker: started here, in the controller, before
+    the workers are, which find it in KAFKA_BOOTSTRAP_SERVERS. Each test's topics are its own."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or _docker_answers():
+        return
+    data_dir = Path(tempfile.mkdtemp(prefix="tokenrelay-tests-kafka-"))
+    os.environ["KAFKA_BOOTSTRAP_SERVERS"] = _start_broker(data_dir)
+    config.stash[_SHARED_BROKER] = data_dir
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    data_dir = config.stash.get(_SHARED_BROKER, None)
+    if data_dir is not None:
+        _stop_broker(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` a module's tests go to one worker, as its module-scoped servers need; modules
+    that share a session-scoped server name a group of their own (`xdist_group`)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session")
@@ -52,20 +105,10 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             yield container.get_bootstrap_server()
         return
     data_dir = tmp_path_factory.mktemp("kafka")
-    port = free_port(pair=True)  # the broker's port, and the controller's after it
-    broker = str(REPO / "deploy" / "kafka" / "broker.sh")
-    started = subprocess.run(
-        [broker, "start", "--port", str(port), "--dir", str(data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if started.returncode != 0:
-        pytest.fail(f"the local Kafka broker did not start:\n{started.stderr}")
     try:
-        yield started.stdout.strip()
+        yield _start_broker(data_dir)
     finally:
-        subprocess.run([broker, "stop", "--dir", str(data_dir)], timeout=60)
+        _stop_broker(data_dir)
 
 
 @pytest.fixture

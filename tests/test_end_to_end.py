@@ -285,13 +285,18 @@ def test_one_request_id_finds_a_request_in_the_gateways_and_the_workers_lines(de
     assert answer.status_code == 200 and answer.headers["x-request-id"] == request_id
     assert answer.json()["id"] == f"chatcmpl-{request_id}"
     gateway = deployment.processes[-1]  # serve: the one process; on Kafka: the gateway, started last
-    lines = {
-        process: [event for event in process.events() if event.get("request_id") == request_id]
-        for process in {gateway, deployment.worker}
-    }
-    access = [e for e in lines[gateway] if e["event"] == "http_request"]
+
+    def lines(process: Process, *names: str) -> list[dict]:
+        return [e for e in process.events() if e.get("request_id") == request_id and e["event"] in names]
+
+    access = lines(gateway, "http_request")
     assert [(e["method"], e["route"], e["status"]) for e in access] == [("POST", "/v1/chat/completions", 200)]
-    worker_lines = [e for e in lines[deployment.worker] if e["event"] in ("request_admitted", "request_finished")]
+    # The worker logs a request's end once its last event is sent: maybe just after the client has its answer.
+    deadline = time.monotonic() + 10
+    while len(worker_lines := lines(deployment.worker, "request_admitted", "request_finished")) < 2:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert [e["event"] for e in worker_lines] == ["request_admitted", "request_finished"]
     assert {e["worker_id"] for e in worker_lines} == {WORKER_ID}
     generation = worker_lines[0]["generation_id"]

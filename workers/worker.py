@@ -191,26 +191,26 @@ class Worker:
         assert self._queue is not None
         self._draining = True
         log.info("worker_draining", worker_id=self._settings.worker_id, running=len(self._active))
-        for delivery in self._inbox_waiting:
-            self._hand_back(delivery)
-        self._inbox_waiting.clear()
-        self._load.changed()
-        for name in ("take-requests", "measure-backlog"):  # the two that use the queue, besides event publishing
-            if (task := self._tasks.get(name)) is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        for taken in self._active.values():
-            # Acknowledged now, as if it ended: no other worker is to take it from the topic too (its gateway
-            # fails it over if it does not end here); nothing is left to acknowledge when it ends.
-            self._finished(taken.delivery)
-            taken.delivery = dataclasses.replace(taken.delivery, source=_NOTHING_TO_ACKNOWLEDGE)
-        await self._queue.close()  # leaves the group
-        await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published")
-        deadline = time.monotonic() + timeout_s
-        try:
+        try:  # a second signal may cut it short anywhere: the drained line still says what it hands over
+            for delivery in self._inbox_waiting:
+                self._hand_back(delivery)
+            self._inbox_waiting.clear()
+            self._load.changed()
+            for name in ("take-requests", "measure-backlog"):  # the two that use the queue, besides event publishing
+                if (task := self._tasks.get(name)) is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            for taken in self._active.values():
+                # Acknowledged now, as if it ended: no other worker is to take it from the topic too (its gateway
+                # fails it over if it does not end here); nothing is left to acknowledge when it ends.
+                self._finished(taken.delivery)
+                taken.delivery = dataclasses.replace(taken.delivery, source=_NOTHING_TO_ACKNOWLEDGE)
+            await self._queue.close()  # leaves the group
+            await self._bus.publish_or_log(self._control_topic, self._heartbeat(), "heartbeat_not_published")
+            deadline = time.monotonic() + timeout_s
             while self._active and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-        finally:  # also when a second signal cuts it short
+        finally:
             log.info("worker_drained", worker_id=self._settings.worker_id, handed_over=len(self._active))
 
     def _hand_back(self, delivery: Delivery) -> None:
