@@ -288,10 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
     bench = commands.add_parser(
         "bench",
-        help="benchmarks: `tokenrelay bench {engine,serve,chaos,rolling,scale,priority,profile} --help`",
+        help="benchmarks: `tokenrelay bench {engine,serve,chaos,rolling,scale,priority,profile,kernels} --help`",
         description="Benchmarks; each has its own options: `tokenrelay bench BENCHMARK --help`.",
     )
-    bench.add_argument("benchmark", choices=["engine", "serve", "chaos", "rolling", "scale", "priority", "profile"])
+    bench.add_argument(
+        "benchmark", choices=["engine", "serve", "chaos", "rolling", "scale", "priority", "profile", "kernels"]
+    )
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     for sub in (serve, gateway, worker, simulate):
         _common_options(sub)
