@@ -30,8 +30,15 @@ from workers.engine.kernel_launch import KernelLaunch
 # A decode program should have at least this many blocks of its sequence to
 # read, or the merge costs more than the split gains.
 _MIN_BLOCKS_PER_SPLIT = 4
-_PREFILL_ROWS = 128  # query rows (tokens x heads of a group) per prefill program
-_PREFILL_ROWS_FP64 = 32  # float64 runs without tl.dot: keep the broadcast products small
+# A prefill program's tile: its query rows (tokens x heads of a group), by dtype, and its warps, as many
+# as keep each thread's share of the [rows, head_dim] float32 accumulator within the dtype's budget
+# (tokenrelay bench kernels measures them). 16-bit products run on tensor cores: 64 floats a thread, 128 rows
+# (Llama-3-8B's head_dim 128 took 255 registers at 4 warps and spilled; it takes 149 at 8). float32's exact
+# ("ieee") products run on the FMA units, whose operands need registers too: 16 a thread, 32 rows (128 rows
+# spilled kilobytes). float64 runs without tl.dot and only in the exactness tests: small broadcast products,
+# Triton's default 4 warps.
+_PREFILL_ROWS = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32, torch.float64: 32}
+_PREFILL_FLOATS_PER_THREAD = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
 
 
 @triton.jit
@@ -351,8 +358,14 @@ def decode_attention(query, key_cache, value_cache, block_tables, lengths, scale
 
 def prefill_rows(dtype: torch.dtype, heads: int, kv_heads: int) -> int:
     """Query tokens per prefill program: a tile is that many tokens times the padded group of heads."""
-    rows = _PREFILL_ROWS_FP64 if dtype == torch.float64 else _PREFILL_ROWS
-    return max(1, rows // triton.next_power_of_2(heads // kv_heads))
+    return max(1, _PREFILL_ROWS[dtype] // triton.next_power_of_2(heads // kv_heads))
+
+
+def _prefill_warps(dtype: torch.dtype, rows: int, block_d: int) -> int:
+    """Warps of a prefill program of `rows` query rows (tokens x padded group) and head_dim padded to block_d."""
+    if dtype not in _PREFILL_FLOATS_PER_THREAD:
+        return 4
+    return max(4, rows * block_d // (32 * _PREFILL_FLOATS_PER_THREAD[dtype]))
 
 
 def prefill_tiles(query_starts: list[int], rows_per_tile: int) -> list[int]:
@@ -371,6 +384,9 @@ def prefill_launch(
     _, heads, dim = query.shape
     kv_heads, num_blocks, block_size, _ = key_cache.shape
     group = heads // kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_q = prefill_rows(query.dtype, heads, kv_heads)
+    block_d = triton.next_power_of_2(dim)
     return KernelLaunch(
         _prefill_kernel,
         (tiles.shape[0] // 2, kv_heads),
@@ -378,15 +394,16 @@ def prefill_launch(
         + (query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1)),
         dict(
             GROUP=group,
-            BLOCK_G=triton.next_power_of_2(group),
-            BLOCK_Q=prefill_rows(query.dtype, heads, kv_heads),
+            BLOCK_G=block_g,
+            BLOCK_Q=block_q,
             BLOCK_SIZE=block_size,
             DIM=dim,
-            BLOCK_D=triton.next_power_of_2(dim),
+            BLOCK_D=block_d,
             USE_DOT=_use_dot(query.dtype, block_size, dim),
             PRECISION=_precision(query.dtype),
             ACC=_accumulator(query.dtype),
         ),
+        num_warps=_prefill_warps(query.dtype, block_q * block_g, block_d),
     )
 
 
