@@ -51,7 +51,9 @@ def engine_launches(shape: ModelShape, dtype: torch.dtype) -> dict[str, KernelLa
     as the engine's: a step's query/key/value [tokens, heads, dim] as transformers hands them over (strides
     heads * dim and dim), the cache [kv_heads, blocks, block_size, dim] with the default block size, block
     tables as wide as the decode graphs' (max_seq_len tokens), and the split the engine makes for one
-    decoding sequence on an H200 (the most splits, the widest merge)."""
+    decoding sequence on an H200 (the most splits, the widest merge). Every pointer is 16-byte aligned, as
+    the decode graphs' static buffers are; an eager step's int64 inputs, cut from one flat tensor, may not
+    be, and Triton then compiles a variant without that hint (for the prefill it took the same registers)."""
     config = EngineConfig()
     block_size, max_blocks = config.block_size, -(-config.max_seq_len // config.block_size)
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
@@ -142,7 +144,7 @@ def compile_job(kernel: str, dtype: str, shape: str) -> dict:
         result["shared"] = compiled.metadata.shared
         result["error"] = None
     except Exception as error:  # a compile error is a finding, reported with its row
-        result["error"] = f"{type(error).__name__}: {str(error).strip()[:3000]}"
+        result["error"] = f"{type(error).__name__}: {str(error).strip()[-3000:]}"  # the cause comes last
     result["seconds"] = round(time.perf_counter() - started, 2)
     return result
 

@@ -4,9 +4,9 @@ The tests run the kernels under Triton's interpreter, which accepts things
 the compiler does not, and says nothing of what a kernel costs on a GPU: a
 thread that needs more than the 255 registers it can have spills to local
 memory, slow in an inner loop. This compiles every kernel ahead of time for
-sm_90 with the ptxas that Triton bundles (no GPU, no driver), launched as
-the engine's own launch functions launch it (workers/engine/kernel_launch.py),
-for the bundled model, TinyLlama-1.1B and Llama-3-8B, in bf16, fp16 and
+sm_90 with the ptxas that Triton bundles (no GPU, no driver), with what the
+engine's own launch functions pass it (workers/engine/kernel_launch.py), for
+the bundled model, TinyLlama-1.1B and Llama-3-8B, in bf16, fp16 and
 fp32: store, decode (one program per sequence, and split with the merge of
 its partial results), prefill, and the sampler's noise. It prints each
 kernel's warps, registers per thread, spilled bytes (stores/loads), stack
@@ -61,7 +61,7 @@ SHAPES = {
 
 def compile_jobs(jobs: list[tuple[str, str, str]], processes: int, progress=None) -> tuple[dict, list[dict]]:
     """Compile each (kernel, dtype, shape) in `processes` processes of kernel_compile.py: (Triton's and ptxas's
-    versions, each job's figures in the jobs' order). A process that dies fails its job, not the others."""
+    versions, each job's figures in the jobs' order). `progress(figures)` is called as each compile ends."""
     work: queue.SimpleQueue = queue.SimpleQueue()
     for index, job in enumerate(jobs):
         work.put((index, job))
@@ -74,38 +74,10 @@ def compile_jobs(jobs: list[tuple[str, str, str]], processes: int, progress=None
             "TRITON_DUMP_PTXAS_LOG": "1",
             "TRITON_ALWAYS_COMPILE": "1",
         }
-
-        def serve(number: int) -> None:
-            with open(Path(scratch) / f"worker-{number}.log", "w+") as errors:
-                worker = None
-                while True:
-                    try:
-                        index, (kernel, dtype, shape) = work.get_nowait()
-                    except queue.Empty:
-                        break
-                    if worker is None:
-                        worker = subprocess.Popen(
-                            [sys.executable, "-m", "tokenrelay.bench.kernel_compile"],
-                            stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE,
-                            stderr=errors,
-                            text=True,
-                            env=env,
-                        )
-                        versions.update(json.loads(worker.stdout.readline() or "{}"))
-                    result = _ask(worker, {"kernel": kernel, "dtype": dtype, "shape": shape}, errors)
-                    if result is None:  # the process is gone: the next job gets a fresh one
-                        worker.wait()
-                        result = {"kernel": kernel, "dtype": dtype, "shape": shape, "error": _tail(errors)}
-                        worker = None
-                    results[index] = result
-                    if progress is not None:
-                        progress(result)
-                if worker is not None:
-                    worker.stdin.close()
-                    worker.wait()
-
-        threads = [threading.Thread(target=serve, args=(n,)) for n in range(max(1, min(processes, len(jobs))))]
+        threads = [
+            threading.Thread(target=_compile_in_a_process, args=(work, results, versions, env, progress, errors))
+            for errors in (Path(scratch) / f"process-{n}.log" for n in range(min(processes, len(jobs))))
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -113,20 +85,50 @@ def compile_jobs(jobs: list[tuple[str, str, str]], processes: int, progress=None
     return versions, results
 
 
-def _ask(worker: subprocess.Popen, job: dict, errors) -> dict | None:
+def _compile_in_a_process(work, results: list[dict], versions: dict, env: dict, progress, errors: Path) -> None:
+    """Take jobs from `work` until none is left and compile them in one kernel_compile.py process; one that dies
+    fails its job, with its stderr's tail, and the next job gets a fresh one."""
+    with open(errors, "w+") as stderr:
+        process = None
+        while True:
+            try:
+                index, (kernel, dtype, shape) = work.get_nowait()
+            except queue.Empty:
+                break
+            if process is None:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "tokenrelay.bench.kernel_compile"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                    env=env,
+                )
+                versions.update(json.loads(process.stdout.readline() or "{}"))
+            result = _ask(process, {"kernel": kernel, "dtype": dtype, "shape": shape})
+            if result is None:
+                process.wait()
+                stderr.seek(0)
+                result = {"kernel": kernel, "dtype": dtype, "shape": shape}
+                result["error"] = "the compile process died: " + stderr.read()[-3000:]
+                process = None
+            results[index] = result
+            if progress is not None:
+                progress(result)
+        if process is not None:
+            process.stdin.close()
+            process.wait()
+
+
+def _ask(process: subprocess.Popen, job: dict) -> dict | None:
+    """The process's answer to the job; None if it is gone."""
     try:
-        worker.stdin.write(json.dumps(job) + "\n")
-        worker.stdin.flush()
+        process.stdin.write(json.dumps(job) + "\n")
+        process.stdin.flush()
     except BrokenPipeError:
         return None
-    answer = worker.stdout.readline()
+    answer = process.stdout.readline()
     return json.loads(answer) if answer else None
-
-
-def _tail(errors) -> str:
-    errors.flush()
-    errors.seek(0)
-    return "the compile process died: " + errors.read()[-3000:]
 
 
 def failures(rows: list[dict]) -> list[dict]:
@@ -140,7 +142,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         start = f"{r['kernel']:<13}{r['dtype']:<6}{r['shape']:<16}"
         if r["error"]:
-            lines.append(start + "  ERROR " + r["error"].splitlines()[0][:100])
+            lines.append(start + "  error: " + r["error"].strip().splitlines()[-1][:100])
             continue
         spills = f"{r['spill_stores']}/{r['spill_loads']}"
         lines.append(
@@ -154,30 +156,32 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="tokenrelay bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS), help="default: all")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the model's; default: all")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="default: all")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes; default: the cores")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = parser.parse_args(argv)
     jobs = [(kernel, dtype, shape) for shape in args.shapes for dtype in args.dtypes for kernel in args.kernels]
+    processes = max(1, min(args.jobs, len(jobs)))
 
     def progress(result: dict) -> None:
         outcome = "error" if result["error"] else f"{result['registers']} registers"
         print(f"  {result['kernel']} {result['dtype']} {result['shape']}: {outcome}", file=sys.stderr, flush=True)
 
     started = time.perf_counter()
-    versions, rows = compile_jobs(jobs, args.jobs, progress)
+    versions, rows = compile_jobs(jobs, processes, progress)
     seconds = time.perf_counter() - started
     failed = failures(rows)
     print(f"Triton kernels for sm_90 (H200), Triton {versions.get('triton')}, ptxas {versions.get('ptxas')}:")
     print(table(rows))
     print(
-        f"{len(rows)} compiles in {seconds:.0f} s on {args.jobs} processes: "
+        f"{len(rows)} compiles in {seconds:.0f} s on {processes} processes: "
         f"{sum(bool(r['error']) for r in rows)} errors, {len(failed)} failing (errors, or spills in bf16/fp16)",
         flush=True,
     )
     if args.json:
-        print(json.dumps({**versions, "seconds": round(seconds, 1), "failing": len(failed), "kernels": rows}))
+        summary = {"seconds": round(seconds, 1), "processes": processes, "failing": len(failed), "kernels": rows}
+        print(json.dumps(versions | summary))
     if failed:
         sys.exit(1)
