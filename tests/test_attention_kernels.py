@@ -58,7 +58,8 @@ def _gathered_decode(q, keys, values, tables, lengths, scale):
 
 
 CASES = [(8, 4, 32), (8, 8, 64), (4, 1, 48), (16, 4, 128)]  # (heads, kv heads, dim); 48 is not specialised
-TRITON_CASES = [(8, 4, 32, 32), (16, 2, 64, 16), (4, 4, 48, 16)]  # (heads, kv heads, dim, block size)
+# (heads, kv heads, dim, block size); the last with Llama-3-8B's group of 4 and head_dim 128
+TRITON_CASES = [(8, 4, 32, 32), (16, 2, 64, 16), (4, 4, 48, 16), (8, 2, 128, 32)]
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}
 
 

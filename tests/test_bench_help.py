@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ("engine", "serve", "chaos", "rolling", "scale", "priority", "profile")
-HEAVY = ("torch", "transformers", "aiokafka", "matplotlib")
+BENCHMARKS = ("engine", "serve", "chaos", "rolling", "scale", "priority", "profile", "kernels")
+HEAVY = ("torch", "transformers", "aiokafka", "matplotlib", "triton")
 
 # For each benchmark in turn, in one interpreter: its --help's exit status and first line, and the heavy
 # modules imported so far (the first benchmark to import one is the one whose list is not empty).

@@ -25,11 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.engine.kernel_launch import KernelLaunch
+
 # A decode program should have at least this many blocks of its sequence to
 # read, or the merge costs more than the split gains.
 _MIN_BLOCKS_PER_SPLIT = 4
-_PREFILL_ROWS = 128  # query rows (tokens x heads of a group) per prefill program
-_PREFILL_ROWS_FP64 = 32  # float64 runs without tl.dot: keep the broadcast products small
+# A prefill program's tile: its query rows (tokens x heads of a group), by dtype, and its warps, as many
+# as keep each thread's share of the [rows, head_dim] float32 accumulator within the dtype's budget
+# (tokenrelay bench kernels measures them). 16-bit products run on tensor cores: 64 floats a thread, 128 rows
+# (Llama-3-8B's head_dim 128 took 255 registers at 4 warps and spilled; it takes 149 at 8). float32's exact
+# ("ieee") products run on the FMA units, whose operands need registers too: 16 a thread, 32 rows (128 rows
+# spilled kilobytes). float64 runs without tl.dot and only in the exactness tests: small broadcast products,
+# Triton's default 4 warps.
+_PREFILL_ROWS = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32, torch.float64: 32}
+_PREFILL_FLOATS_PER_THREAD = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
 
 
 @triton.jit
@@ -273,25 +282,22 @@ def _use_dot(dtype: torch.dtype, block_size: int, dim: int) -> bool:
     return dtype in (torch.float16, torch.bfloat16, torch.float32) and block_size >= 16 and dim >= 16
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots):
-    """key/value [tokens, kv_heads, dim] (any strides but the last) into their slots of the caches."""
+def store_launch(key, value, key_cache, value_cache, slots) -> KernelLaunch:
+    """The store kernel's KernelLaunch (see store_kv)."""
     tokens, kv_heads, dim = key.shape
     _, num_blocks, block_size, _ = key_cache.shape
-    _store_kernel[(tokens, kv_heads)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slots,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        num_blocks,
-        BLOCK_SIZE=block_size,
-        DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim),
+    return KernelLaunch(
+        _store_kernel,
+        (tokens, kv_heads),
+        (key, value, key_cache, value_cache, slots, key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+        + (num_blocks,),
+        dict(BLOCK_SIZE=block_size, DIM=dim, BLOCK_D=triton.next_power_of_2(dim)),
     )
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots):
+    """key/value [tokens, kv_heads, dim] (any strides but the last) into their slots of the caches."""
+    store_launch(key, value, key_cache, value_cache, slots)()
 
 
 def decode_splits(sequences: int, kv_heads: int, max_blocks: int, processors: int) -> int:
@@ -302,8 +308,9 @@ def decode_splits(sequences: int, kv_heads: int, max_blocks: int, processors: in
     return max(1, min(wanted, max_blocks // _MIN_BLOCKS_PER_SPLIT))
 
 
-def decode_attention(query, key_cache, value_cache, block_tables, lengths, scale: float, out, splits: int) -> None:
-    """query/out [sequences, heads, dim]: one token per sequence, attending to its first `lengths` cached tokens."""
+def decode_launches(query, key_cache, value_cache, block_tables, lengths, scale: float, out, splits: int):
+    """The decode kernel's KernelLaunch, then the merge kernel's if `splits` > 1 (their partial results in
+    buffers allocated here)."""
     sequences, heads, dim = query.shape
     kv_heads, num_blocks, block_size, _ = key_cache.shape
     group = heads // kv_heads
@@ -315,53 +322,50 @@ def decode_attention(query, key_cache, value_cache, block_tables, lengths, scale
     partial_max = torch.empty(shape, dtype=accumulator, device=query.device)
     partial_sum = torch.empty(shape, dtype=accumulator, device=query.device)
     partial_acc = torch.empty((*shape, dim) if partial else (1,), dtype=accumulator, device=query.device)
-    _decode_kernel[(sequences, kv_heads, splits)](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        lengths,
-        out,
-        partial_acc,
-        partial_max,
-        partial_sum,
-        scale,
-        num_blocks,
-        splits,
-        query.stride(0),
-        query.stride(1),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        BLOCK_G=max(16 if use_dot else 1, triton.next_power_of_2(group)),  # tl.dot: at least 16 rows
-        BLOCK_SIZE=block_size,
-        DIM=dim,
-        BLOCK_D=block_d,
-        PARTIAL=partial,
-        USE_DOT=use_dot,
-        PRECISION=_precision(query.dtype),
-        ACC=_accumulator(query.dtype),
-    )
-    if partial:
-        _merge_kernel[(sequences, heads)](
-            partial_acc,
-            partial_max,
-            partial_sum,
-            out,
-            splits,
-            out.stride(0),
-            out.stride(1),
+    decode = KernelLaunch(
+        _decode_kernel,
+        (sequences, kv_heads, splits),
+        (query, key_cache, value_cache, block_tables, lengths, out, partial_acc, partial_max, partial_sum, scale)
+        + (num_blocks, splits, query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1)),
+        dict(
+            GROUP=group,
+            BLOCK_G=max(16 if use_dot else 1, triton.next_power_of_2(group)),  # tl.dot: at least 16 rows
+            BLOCK_SIZE=block_size,
             DIM=dim,
             BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(splits),
-        )
+            PARTIAL=partial,
+            USE_DOT=use_dot,
+            PRECISION=_precision(query.dtype),
+            ACC=_accumulator(query.dtype),
+        ),
+    )
+    if not partial:
+        return [decode]
+    merge = KernelLaunch(
+        _merge_kernel,
+        (sequences, heads),
+        (partial_acc, partial_max, partial_sum, out, splits, out.stride(0), out.stride(1)),
+        dict(DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)),
+    )
+    return [decode, merge]
+
+
+def decode_attention(query, key_cache, value_cache, block_tables, lengths, scale: float, out, splits: int) -> None:
+    """query/out [sequences, heads, dim]: one token per sequence, attending to its first `lengths` cached tokens."""
+    for launch in decode_launches(query, key_cache, value_cache, block_tables, lengths, scale, out, splits):
+        launch()
 
 
 def prefill_rows(dtype: torch.dtype, heads: int, kv_heads: int) -> int:
     """Query tokens per prefill program: a tile is that many tokens times the padded group of heads."""
-    rows = _PREFILL_ROWS_FP64 if dtype == torch.float64 else _PREFILL_ROWS
-    return max(1, rows // triton.next_power_of_2(heads // kv_heads))
+    return max(1, _PREFILL_ROWS[dtype] // triton.next_power_of_2(heads // kv_heads))
+
+
+def _prefill_warps(dtype: torch.dtype, rows: int, block_d: int) -> int:
+    """Warps of a prefill program of `rows` query rows (tokens x padded group) and head_dim padded to block_d."""
+    if dtype not in _PREFILL_FLOATS_PER_THREAD:
+        return 4
+    return max(4, rows * block_d // (32 * _PREFILL_FLOATS_PER_THREAD[dtype]))
 
 
 def prefill_tiles(query_starts: list[int], rows_per_tile: int) -> list[int]:
@@ -373,38 +377,39 @@ def prefill_tiles(query_starts: list[int], rows_per_tile: int) -> list[int]:
     return tiles
 
 
+def prefill_launch(
+    query, key_cache, value_cache, block_tables, lengths, query_starts, tiles, scale: float, out
+) -> KernelLaunch:
+    """The prefill kernel's KernelLaunch (see prefill_attention)."""
+    _, heads, dim = query.shape
+    kv_heads, num_blocks, block_size, _ = key_cache.shape
+    group = heads // kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_q = prefill_rows(query.dtype, heads, kv_heads)
+    block_d = triton.next_power_of_2(dim)
+    return KernelLaunch(
+        _prefill_kernel,
+        (tiles.shape[0] // 2, kv_heads),
+        (query, key_cache, value_cache, block_tables, lengths, query_starts, tiles, out, scale, num_blocks)
+        + (query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1)),
+        dict(
+            GROUP=group,
+            BLOCK_G=block_g,
+            BLOCK_Q=block_q,
+            BLOCK_SIZE=block_size,
+            DIM=dim,
+            BLOCK_D=block_d,
+            USE_DOT=_use_dot(query.dtype, block_size, dim),
+            PRECISION=_precision(query.dtype),
+            ACC=_accumulator(query.dtype),
+        ),
+        num_warps=_prefill_warps(query.dtype, block_q * block_g, block_d),
+    )
+
+
 def prefill_attention(
     query, key_cache, value_cache, block_tables, lengths, query_starts, tiles, scale: float, out
 ) -> None:
     """Prompt chunks: query/out rows query_starts[c]:query_starts[c + 1] are chunk c, whose last row is
     the token at position lengths[c] - 1; `tiles` from prefill_tiles."""
-    _, heads, dim = query.shape
-    kv_heads, num_blocks, block_size, _ = key_cache.shape
-    group = heads // kv_heads
-    block_q = prefill_rows(query.dtype, heads, kv_heads)
-    _prefill_kernel[(tiles.shape[0] // 2, kv_heads)](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        lengths,
-        query_starts,
-        tiles,
-        out,
-        scale,
-        num_blocks,
-        query.stride(0),
-        query.stride(1),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_Q=block_q,
-        BLOCK_SIZE=block_size,
-        DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim),
-        USE_DOT=_use_dot(query.dtype, block_size, dim),
-        PRECISION=_precision(query.dtype),
-        ACC=_accumulator(query.dtype),
-    )
+    prefill_launch(query, key_cache, value_cache, block_tables, lengths, query_starts, tiles, scale, out)()

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.engine.kernel_launch import KernelLaunch
+
 _BLOCK = 1024
 
 
@@ -22,9 +24,17 @@ def _noise_kernel(seeds, out, vocab, stride_out, BLOCK: tl.constexpr):
     tl.store(out + row * stride_out + tokens, -tl.log(uniform), mask=tokens < vocab)
 
 
+def noise_launch(seeds: torch.Tensor, out: torch.Tensor) -> KernelLaunch:
+    """The noise kernel's KernelLaunch: out [rows, vocab] float32, a row per seed."""
+    rows, vocab = out.shape
+    return KernelLaunch(
+        _noise_kernel, (rows, triton.cdiv(vocab, _BLOCK)), (seeds, out, vocab, out.stride(0)), dict(BLOCK=_BLOCK)
+    )
+
+
 def exponential_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [rows, vocab] (float32) for rows of these int64 noise seeds."""
     out = torch.empty((seeds.shape[0], vocab), dtype=torch.float32, device=seeds.device)
     if seeds.shape[0]:
-        _noise_kernel[(seeds.shape[0], triton.cdiv(vocab, _BLOCK))](seeds, out, vocab, out.stride(0), BLOCK=_BLOCK)
+        noise_launch(seeds, out)()
     return out
