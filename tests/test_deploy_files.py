@@ -2,21 +2,32 @@
 
 docker-compose.yml is validated against the Compose specification's JSON schema, vendored as
 deploy/compose-spec.json: schema/compose-spec.json of the Go module github.com/compose-spec/compose-go/v2
-at v2.17.0 (the schema `docker compose` itself checks files with).
+at v2.17.0 (the schema `docker compose` itself checks files with). Each service's settings are started as far
+as they go here (`started`, which the Helm chart's tests use too).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
 import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import jsonschema
+import pytest
 import yaml
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from bus.inprocess import InProcessBus
 from tests.processes import REPO
-from tokenrelay.settings import build_parser
+from tokenrelay.http_server import http_server
+from tokenrelay.lifecycle import CannotStart
+from tokenrelay.settings import build_parser, parse_args
+from tokenrelay.worker_parts import engine_parts
+from workers.bundled import BUNDLED_MODEL
 
 
 def _compose() -> dict:
@@ -26,6 +37,32 @@ def _compose() -> dict:
 def _flags_of(command: str) -> set[str]:
     subparsers = next(a for a in build_parser()._actions if a.dest == "command")
     return {flag for action in subparsers.choices[command]._actions for flag in action.option_strings}
+
+
+def started(command: str, environ: Mapping[str, str], mounts: Sequence[str] = ()) -> argparse.Namespace:
+    """`tokenrelay COMMAND` (gateway or worker) in the environment `environ`, started as far as it goes without a
+    broker, a GPU or its model's weights; its settings, as the process holds them.
+
+    Its line and environment are parsed as the process parses them, so every value is checked as its flag is
+    (SystemExit 2, naming the variable). Then what the process checks before it serves: a gateway's HTTP server
+    is built (the TLS flags' pairs, the app); a worker's model is looked for where the worker will look: a
+    simulation profile is loaded, a directory must lie on one of the volumes the container mounts at `mounts`, a
+    hub id must be one; the bundled model is in the image. What only the running process finds out is not: a
+    broker that answers, the weights themselves, the GPU and its memory, a free port.
+    """
+    args = parse_args([command], environ)
+    if command == "gateway":
+        http_server(args, InProcessBus(args.max_message_bytes))
+    elif args.simulate:
+        engine_parts(args)  # a simulated model loads in an instant: its profile, or CannotStart naming the names
+    elif args.model == str(BUNDLED_MODEL):
+        pass  # in the image
+    elif args.model.startswith(("/", ".")):
+        on_volume = [m for m in mounts if Path(args.model).is_relative_to(m)]
+        assert on_volume, f"--model {args.model} is in no volume of the container ({', '.join(mounts)}) nor the image"
+    else:
+        validate_repo_id(args.model)  # what the hub client refuses before it asks the hub
+    return args
 
 
 def test_compose_runs_a_broker_a_gateway_and_workers():
@@ -39,14 +76,36 @@ def test_compose_runs_a_broker_a_gateway_and_workers():
         assert services[name]["depends_on"]["kafka"]["condition"] == "service_healthy"
 
 
-def test_every_setting_in_compose_is_a_flag_of_its_command():
+def test_every_setting_in_compose_is_a_flag_of_its_command_and_starts_it():
     services = _compose()["services"]
     for name in ("gateway", "worker"):
-        flags = _flags_of(services[name]["command"][1])
-        for variable in services[name]["environment"]:
+        command = services[name]["command"][1]
+        flags = _flags_of(command)
+        environment = {variable: str(value) for variable, value in services[name]["environment"].items()}
+        for variable in environment:
             assert variable.startswith("TOKENRELAY_"), variable
             flag = "--" + variable.removeprefix("TOKENRELAY_").lower().replace("_", "-")
             assert flag in flags, f"{name}: {variable} names no flag of `tokenrelay {name}`"
+        started(command, environment)
+
+
+def test_starting_refuses_what_the_process_would_refuse(capsys):
+    """`started` stops where the process would: a value its flag refuses, a lone TLS flag, a model not there."""
+    kafka = {"TOKENRELAY_KAFKA_BOOTSTRAP": "kafka:9092"}
+    with pytest.raises(SystemExit) as refused:
+        started("worker", {**kafka, "TOKENRELAY_DTYPE": "bf16"})
+    assert refused.value.code == 2 and "(from the environment: TOKENRELAY_DTYPE)" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--tls-cert and --tls-key go together"):
+        started("gateway", {**kafka, "TOKENRELAY_TLS_CERT": "/tls/cert.pem"})
+    with pytest.raises(CannotStart, match="no simulation profile 'h100'"):
+        started("worker", {**kafka, "TOKENRELAY_SIMULATE": "h100"})
+    with pytest.raises(AssertionError, match="is in no volume of the container"):
+        started("worker", {**kafka, "TOKENRELAY_MODEL": "/models/llama"}, mounts=["/dev/shm"])
+    with pytest.raises(HFValidationError):
+        started("worker", {**kafka, "TOKENRELAY_MODEL": "meta llama/8b"})
+    assert started("worker", {**kafka, "TOKENRELAY_MODEL": "/models/llama"}, mounts=["/models"]).model == (
+        "/models/llama"
+    )
 
 
 def test_services_reach_the_broker_where_it_advertises_itself():

@@ -6,11 +6,14 @@ is built). Every rendered object is validated: Kubernetes' own kinds against the
 kubernetes-validate ships (strict: an unknown field is an error), the operators' kinds (KEDA, Prometheus
 operator, Strimzi) against their CRDs' schemas vendored in deploy/helm/crd-schemas/. The rest checks
 that the chart and the code agree: env names are flags, KEDA watches the topics and consumer group
-the workers really use, probes hit the ports the processes listen on.
+the workers really use, probes hit the ports the processes listen on. Every example values file beside the
+chart (deploy/helm/*.yaml) is rendered, and each container's process is started from its rendered environment as
+far as it goes without a cluster (tests/test_deploy_files.py's `started`).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import json
@@ -24,17 +27,17 @@ import yaml
 
 from bus.topics import request_topics, worker_group
 from tests.processes import REPO
-from tests.test_deploy_files import _flags_of
-from tokenrelay.settings import build_parser, parse_args
+from tests.test_deploy_files import _flags_of, started
 
 CHART = REPO / "deploy" / "helm" / "tokenrelay"
 TWO_MODELS = REPO / "deploy" / "helm" / "two-models.yaml"
+EXAMPLES = sorted((REPO / "deploy" / "helm").glob("*.yaml"))  # the example values files, each rendered
 CRD_SCHEMAS = REPO / "deploy" / "helm" / "crd-schemas"
 RENDER = REPO / ".tools" / "bin" / "helm-render"
 KUBERNETES_VERSION = "1.33"  # the oldest release the chart is checked against (kubernetes-validate has 1.x up to 1.37)
 NAMESPACE = "inference"
 
-# Variants beyond the two values files: Strimzi's older API, everything optional off, a hub-id model.
+# Variants beyond the values files: Strimzi's older API, everything optional off, a hub-id model.
 STRIMZI_V1BETA2 = {"kafka": {"strimzi": {"apiVersion": "kafka.strimzi.io/v1beta2", "version": "4.1.1"}}}
 MINIMAL = {
     "kafka": {"bootstrap": "kafka.example:9092", "strimzi": {"enabled": False}},
@@ -74,7 +77,7 @@ def render(tmp_path_factory):
 
 VARIANTS = {
     "defaults": (),
-    "two-models": (TWO_MODELS,),
+    **{example.stem: (example,) for example in EXAMPLES},
     "strimzi-v1beta2": (STRIMZI_V1BETA2,),
     "minimal": (MINIMAL,),
 }
@@ -138,9 +141,12 @@ def _env(container: dict) -> dict[str, str | None]:
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
-def _parse(command: str, env: dict[str, str | None]):
-    """The container's command line as the process reads it: flags from its environment, checked as flags."""
-    return parse_args([command], {name: "pod-0" if value is None else value for name, value in env.items()})
+def _settings(deployment: dict) -> argparse.Namespace:
+    """The settings of the deployment's process, started from its rendered environment as far as it goes here (a
+    value from a field, the pod's name, as pod-0; its model looked for on the volumes it mounts)."""
+    container = _container(deployment)
+    env = {name: "pod-0" if value is None else value for name, value in _env(container).items()}
+    return started(container["command"][1], env, [mount["mountPath"] for mount in container.get("volumeMounts", [])])
 
 
 def test_every_rendered_object_matches_its_schema(rendered):
@@ -192,7 +198,7 @@ def test_every_setting_is_a_flag_of_the_command_the_container_runs(rendered):
             if name.startswith("TOKENRELAY_"):
                 flag = "--" + name.removeprefix("TOKENRELAY_").lower().replace("_", "-")
                 assert flag in flags, f"{deployment['metadata']['name']}: {name} names no flag of `{' '.join(command)}`"
-        _parse(command[1], env)  # every value is one the flag takes
+        _settings(deployment)  # every value is one its flag takes, and the process starts with them
 
 
 def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered):
@@ -203,7 +209,7 @@ def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered):
     assert workers
     for scaled in scaled_objects.values():
         target = deployments[scaled["spec"]["scaleTargetRef"]["name"]]
-        args = _parse("worker", _env(_container(target)))
+        args = _settings(target)
         model = args.served_model_name[0]
         triggers = [t for t in scaled["spec"]["triggers"] if t["type"] == "kafka"]
         assert [t["metadata"]["topic"] for t in triggers] == request_topics(args.topic_prefix, model)
@@ -224,7 +230,7 @@ def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered):
 def test_each_model_runs_what_its_entry_names(render):
     docs = render(TWO_MODELS)
     llama, qwen = (_by_kind(docs, "Deployment")[f"tokenrelay-worker-{name}"] for name in ("llama-8b", "qwen-05b"))
-    args = _parse("worker", _env(_container(llama)))
+    args = _settings(llama)
     assert args.served_model_name == ["llama-3.1-8b", "llama3"]
     assert args.model == "/models/meta-llama-3.1-8b-instruct"
     assert args.max_batch_size == 256 and args.dtype == "bfloat16" and args.gpu_memory_fraction == 0.9
@@ -232,7 +238,7 @@ def test_each_model_runs_what_its_entry_names(render):
     assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
     volume = next(v for v in llama["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
     assert volume["persistentVolumeClaim"]["claimName"] == "model-weights"
-    args = _parse("worker", _env(_container(qwen)))
+    args = _settings(qwen)
     assert args.model == args.served_model_name[0] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert worker_group(args.topic_prefix, args.served_model_name[0]) == "tokenrelay.workers.Qwen_Qwen2.5-0.5B-Instruct"
     assert _env(_container(qwen))["HF_HOME"] == "/models/huggingface"  # the hostPath caches downloads
@@ -240,7 +246,7 @@ def test_each_model_runs_what_its_entry_names(render):
     assert _container(qwen)["resources"]["requests"] == {"nvidia.com/gpu": 1, "cpu": "2", "memory": "8Gi"}
     for deployment in (llama, qwen):
         assert _container(deployment)["resources"]["limits"]["nvidia.com/gpu"] == 1
-    gateway = _parse("gateway", _env(_container(_by_kind(docs, "Deployment")["tokenrelay-gateway"])))
+    gateway = _settings(_by_kind(docs, "Deployment")["tokenrelay-gateway"])
     assert gateway.max_in_flight == 8192 and gateway.default_model == "llama-3.1-8b"
 
 
@@ -258,7 +264,7 @@ def test_without_autoscaling_the_replicas_are_the_values(render):
 def test_probes_reach_the_ports_the_processes_listen_on(rendered):
     for deployment in _by_kind(rendered, "Deployment").values():
         container = _container(deployment)
-        args = _parse(container["command"][1], _env(container))
+        args = _settings(deployment)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         if args.command == "gateway":
             assert args.host == "0.0.0.0" and ports["http"] == args.port
@@ -300,7 +306,9 @@ def test_services_and_monitors_select_the_pods_they_mean(render):
         assert len(selected(pdb["spec"]["selector"]["matchLabels"])) == 1
 
 
-def test_strimzi_runs_kraft_with_a_node_pool_of_three(render):
+def test_strimzi_runs_kraft_with_a_node_pool_of_three_that_every_process_can_write_to(render):
+    """Every process's topics fit the cluster: replicated at most once per broker (or creating them fails), at
+    least as often as an acks=all write needs copies (min.insync.replicas), with room for its largest message."""
     for values in ((), (STRIMZI_V1BETA2,)):
         docs = render(*values)
         (kafka,) = _by_kind(docs, "Kafka").values()
@@ -312,10 +320,13 @@ def test_strimzi_runs_kraft_with_a_node_pool_of_three(render):
                 "strimzi.io/node-pools": "enabled",
                 "strimzi.io/kraft": "enabled",
             }
-        (gateway,) = (d for d in _by_kind(docs, "Deployment").values() if "gateway" in d["metadata"]["name"])
-        assert _env(_container(gateway))["TOKENRELAY_KAFKA_REPLICATION_FACTOR"] == "3"
         config = kafka["spec"]["kafka"]["config"]
-        assert config["message.max.bytes"] >= build_parser().parse_args(["serve"]).max_message_bytes
+        deployments = _by_kind(docs, "Deployment").values()
+        assert len(deployments) == 2  # the gateway, the bundled model's workers
+        for deployment in deployments:
+            args = _settings(deployment)
+            assert (config["min.insync.replicas"], args.kafka_replication_factor, pool["spec"]["replicas"]) == (2, 3, 3)
+            assert args.max_message_bytes <= config["message.max.bytes"]
 
 
 def test_the_chart_refuses_what_cannot_work(render):
@@ -336,7 +347,7 @@ def test_grace_periods_leave_time_to_drain(rendered):
     --drain-timeout and the last seconds of closing must fit in it."""
     for deployment in _by_kind(rendered, "Deployment").values():
         spec, container = deployment["spec"]["template"]["spec"], _container(deployment)
-        args = _parse(container["command"][1], _env(container))
+        args = _settings(deployment)
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
         assert pre_stop[0] == "sleep"
         assert args.drain_timeout >= 10
