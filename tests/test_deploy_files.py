@@ -115,15 +115,52 @@ def test_services_reach_the_broker_where_it_advertises_itself():
         assert services[name]["environment"]["TOKENRELAY_KAFKA_BOOTSTRAP"] == advertised
 
 
+def _dockerfile() -> list[tuple[str, str]]:
+    """deploy/Dockerfile's instructions, (INSTRUCTION, its arguments), continued lines joined, comments left out."""
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    lines = [line for line in text.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
+    return [(line.split(None, 1)[0], " ".join(line.split()[1:])) for line in lines]
+
+
 def test_the_image_holds_every_package():
-    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
-    copied = set(re.findall(r"^COPY (\w+)/ ", dockerfile, re.MULTILINE))
+    copied = {args.split()[0].rstrip("/") for instruction, args in _dockerfile() if instruction == "COPY"}
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
-    assert copied == packages
+    assert copied - {"pyproject.toml"} == packages
     for name in ("gateway", "worker"):
         build = _compose()["services"][name]["build"]
         assert (REPO / build["context"] / build["dockerfile"]).is_file()
+
+
+def test_the_image_installs_exactly_the_locked_runtime_dependencies_with_the_makefiles_uv():
+    instructions = _dockerfile()
+    copied = [args.split() for instruction, args in instructions if instruction == "COPY"]
+    assert ["pyproject.toml", "uv.lock", "README.md", "./"] in copied
+    runs = [args for instruction, args in instructions if instruction == "RUN"]
+    installs = [run for run in runs if re.search(r"\b(pip|uv)\b", run)]
+    pinned = re.fullmatch(r"UV_VERSION=(\S+)", next(args for instruction, args in instructions if instruction == "ARG"))
+    makefile = re.search(r"^UV_VERSION := (\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert pinned and makefile and pinned.group(1) == makefile.group(1)
+    assert installs[0] == "pip install --no-cache-dir uv==${UV_VERSION}"  # uv itself; nothing else through pip
+    syncs = installs[1:]
+    python = "--python /usr/local/bin/python3"
+    assert syncs == [
+        f"uv sync --locked --no-dev --no-install-project {python}",  # the dependencies' layer
+        f"uv sync --locked --no-dev --no-editable {python}",  # then the project itself, as a wheel would be
+    ]
+    env = " ".join(args for instruction, args in instructions if instruction == "ENV")
+    assert "UV_PYTHON_DOWNLOADS=never" in env and "PATH=/opt/tokenrelay/bin:$PATH" in env
+
+
+def test_the_image_runs_as_an_unprivileged_user_that_has_a_home():
+    instructions = _dockerfile()
+    users = [args for instruction, args in instructions if instruction == "USER"]
+    assert users == ["10001:10001"]  # numeric: a kubelet checks runAsNonRoot against the image's user only so
+    assert [instruction for instruction, _ in instructions][-3:] == ["USER", "EXPOSE", "CMD"]  # all built as root
+    created = next(args for instruction, args in instructions if instruction == "RUN" and "useradd" in args)
+    assert "groupadd --gid 10001 tokenrelay" in created
+    assert "useradd --uid 10001 --gid 10001 --create-home --home-dir /home/tokenrelay" in created
+    assert ("ENV", "HOME=/home/tokenrelay") in instructions
 
 
 def _seconds(duration: str) -> float:
