@@ -8,7 +8,8 @@ operator, Strimzi) against their CRDs' schemas vendored in deploy/helm/crd-schem
 that the chart and the code agree: env names are flags, KEDA watches the topics and consumer group
 the workers really use, probes hit the ports the processes listen on. Every example values file beside the
 chart (deploy/helm/*.yaml) is rendered, and each container's process is started from its rendered environment as
-far as it goes without a cluster (tests/test_deploy_files.py's `started`).
+far as it goes without a cluster (tests/test_deploy_files.py's `started`). Every pod must pass Pod Security
+"restricted" as its admission controller checks pods, and run as the image's own user.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import yaml
 
 from bus.topics import request_topics, worker_group
 from tests.processes import REPO
-from tests.test_deploy_files import _flags_of, started
+from tests.test_deploy_files import _dockerfile, _flags_of, started
 
 CHART = REPO / "deploy" / "helm" / "tokenrelay"
 TWO_MODELS = REPO / "deploy" / "helm" / "two-models.yaml"
@@ -241,7 +242,7 @@ def test_each_model_runs_what_its_entry_names(render):
     args = _settings(qwen)
     assert args.model == args.served_model_name[0] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert worker_group(args.topic_prefix, args.served_model_name[0]) == "tokenrelay.workers.Qwen_Qwen2.5-0.5B-Instruct"
-    assert _env(_container(qwen))["HF_HOME"] == "/models/huggingface"  # the hostPath caches downloads
+    assert _env(_container(qwen))["HF_HOME"] == "/models/huggingface"  # the claim caches downloads
     assert "HF_TOKEN" in _env(_container(qwen))
     assert _container(qwen)["resources"]["requests"] == {"nvidia.com/gpu": 1, "cpu": "2", "memory": "8Gi"}
     for deployment in (llama, qwen):
@@ -275,6 +276,111 @@ def test_probes_reach_the_ports_the_processes_listen_on(rendered):
             assert host == "0.0.0.0" and ports["metrics"] == int(port)
             for probe in ("startupProbe", "readinessProbe"):
                 assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+
+
+# Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards), as the admission controller
+# applies "restricted" to a pod: the baseline's controls on host access and privileges, then restricted's own.
+_RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected"}
+_RESTRICTED_VOLUMES |= {"secret"}
+
+
+def _refused_by_restricted(pod: dict) -> list[str]:
+    """What Pod Security "restricted" refuses in a pod template, each control named as the standard names it
+    (AppArmor, SELinux, /proc mounts and sysctls aside: the chart sets none of them)."""
+    spec = pod["spec"]
+    refused = [f"Host Namespaces: {field}" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
+    for volume in spec.get("volumes", []):
+        (source,) = set(volume) - {"name"}
+        if source not in _RESTRICTED_VOLUMES:
+            refused.append(f"Volume Types: {volume['name']} is a {source}")
+    pod_context = spec.get("securityContext", {})
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        name, context = container["name"], container.get("securityContext", {})
+
+        def setting(field: str, context=context):  # the container's, else the pod's
+            return context.get(field, pod_context.get(field))
+
+        if context.get("privileged"):
+            refused.append(f"Privileged Containers: {name}")
+        if any(port.get("hostPort") for port in container.get("ports", [])):
+            refused.append(f"HostPorts: {name}")
+        if context.get("allowPrivilegeEscalation") is not False:
+            refused.append(f"Privilege Escalation: {name} does not set allowPrivilegeEscalation false")
+        if setting("runAsNonRoot") is not True:
+            refused.append(f"Running as Non-root: {name}")
+        if setting("runAsUser") == 0:
+            refused.append(f"Running as Non-root user: {name} runs as uid 0")
+        if (setting("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            refused.append(f"Seccomp: {name} has no RuntimeDefault or Localhost profile")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []) or set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            refused.append(f"Capabilities: {name} does not drop ALL, or adds more than NET_BIND_SERVICE")
+    return refused
+
+
+def test_every_pod_passes_pod_security_restricted(rendered):
+    for name, deployment in _by_kind(rendered, "Deployment").items():
+        assert _refused_by_restricted(deployment["spec"]["template"]) == [], name
+
+
+def test_the_restricted_check_refuses_what_the_standard_refuses():
+    pod = {
+        "spec": {
+            "hostNetwork": True,
+            "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [
+                {"name": "root", "securityContext": {"runAsNonRoot": False, "runAsUser": 0}},
+                {
+                    "name": "open",
+                    "ports": [{"containerPort": 80, "hostPort": 80}],
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]},
+                        "seccompProfile": {"type": "Unconfined"},
+                    },
+                },
+            ],
+            "volumes": [{"name": "cache", "hostPath": {"path": "/var/cache"}}, {"name": "tmp", "emptyDir": {}}],
+        }
+    }
+    assert _refused_by_restricted(pod) == [
+        "Host Namespaces: hostNetwork",
+        "Volume Types: cache is a hostPath",
+        "Privilege Escalation: root does not set allowPrivilegeEscalation false",
+        "Running as Non-root: root",
+        "Running as Non-root user: root runs as uid 0",
+        "Capabilities: root does not drop ALL, or adds more than NET_BIND_SERVICE",
+        "HostPorts: open",
+        "Seccomp: open has no RuntimeDefault or Localhost profile",
+        "Capabilities: open does not drop ALL, or adds more than NET_BIND_SERVICE",
+    ]
+
+
+def test_pods_run_as_the_images_user_on_a_read_only_root_with_writable_scratch(rendered):
+    """The uid is the image's (a kubelet runs a numeric USER as is); what the processes write has a volume."""
+    dockerfile = _dockerfile()
+    (user,) = [args for instruction, args in dockerfile if instruction == "USER"]
+    uid, gid = (int(n) for n in user.split(":"))
+    home = next(args for instruction, args in dockerfile if instruction == "ENV" and args.startswith("HOME="))
+    for name, deployment in _by_kind(rendered, "Deployment").items():
+        spec, container = deployment["spec"]["template"]["spec"], _container(deployment)
+        assert spec["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": uid,
+            "runAsGroup": gid,
+            "fsGroup": gid,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }, name
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }, name
+        volumes = {volume["name"]: volume for volume in spec["volumes"]}
+        mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
+        assert mounts["/tmp"]["emptyDir"] == {"sizeLimit": "1Gi"}, name
+        if container["command"] == ["tokenrelay", "worker"]:
+            assert mounts[home.removeprefix("HOME=")]["emptyDir"] == {}, name  # caches: no limit by default
 
 
 def test_services_and_monitors_select_the_pods_they_mean(render):
