@@ -274,8 +274,40 @@ def test_probes_reach_the_ports_the_processes_listen_on(rendered):
         else:
             host, _, port = args.metrics_address.rpartition(":")
             assert host == "0.0.0.0" and ports["metrics"] == int(port)
-            for probe in ("startupProbe", "readinessProbe"):
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+
+
+def test_workers_are_restarted_when_unanswering_once_started_and_gateways_when_their_loop_stops(render):
+    for values in ((), (TWO_MODELS,)):
+        for name, deployment in _by_kind(render(*values), "Deployment").items():
+            container = _container(deployment)
+            if name == "tokenrelay-gateway":
+                assert "startupProbe" not in container  # it listens within seconds
+                assert container["livenessProbe"] == {
+                    "httpGet": {"path": "/v2/health/live", "port": "http"},
+                    "periodSeconds": 10,
+                    "timeoutSeconds": 1,
+                    "failureThreshold": 3,
+                }
+                continue
+            # Kubernetes runs no liveness probe until the startup probe has passed: a model loads for its 15 minutes.
+            assert container["startupProbe"] == {
+                "httpGet": {"path": "/metrics", "port": "metrics"},
+                "periodSeconds": 10,
+                "timeoutSeconds": 5,
+                "failureThreshold": 90,
+            }
+            assert container["livenessProbe"] == {
+                "httpGet": {"path": "/metrics", "port": "metrics"},
+                "periodSeconds": 10,
+                "timeoutSeconds": 5,
+                "failureThreshold": 6,
+            }
+    probes = {"livenessProbe": {"periodSeconds": 30, "failureThreshold": 4}}  # over the defaults, key by key
+    for deployment in _by_kind(render({"worker": probes, "gateway": probes}), "Deployment").values():
+        liveness = _container(deployment)["livenessProbe"]
+        assert (liveness["periodSeconds"], liveness["failureThreshold"]) == (30, 4)
 
 
 # Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards), as the admission controller
