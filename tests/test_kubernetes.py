@@ -18,6 +18,7 @@ import argparse
 import copy
 import functools
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -44,7 +45,12 @@ MINIMAL = {
     "kafka": {"bootstrap": "kafka.example:9092", "strimzi": {"enabled": False}},
     "topicPrefix": "prod",
     "gateway": {"autoscaling": {"enabled": False}, "pdb": {"enabled": False}, "preStopSleepSeconds": 0},
-    "worker": {"pdb": {"enabled": False}, "resources": {}, "tolerations": []},
+    # Workers on CPUs: no GPU asked for, nor tolerated.
+    "worker": {
+        "pdb": {"enabled": False},
+        "resources": {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
+        "tolerations": [],
+    },
     "keda": {"enabled": False},
     "models": [
         {"name": "qwen", "hubId": "Qwen/Qwen2.5-0.5B-Instruct", "replicas": 3},
@@ -308,6 +314,43 @@ def test_workers_are_restarted_when_unanswering_once_started_and_gateways_when_t
     for deployment in _by_kind(render({"worker": probes, "gateway": probes}), "Deployment").values():
         liveness = _container(deployment)["livenessProbe"]
         assert (liveness["periodSeconds"], liveness["failureThreshold"]) == (30, 4)
+
+
+_QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _bytes(quantity: str | int) -> int:
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", str(quantity)).groups()
+    return int(number) * _QUANTITY.get(unit, 1)
+
+
+def test_every_container_requests_memory_and_no_more_is_allowed_a_worker_than_it_asked_for(rendered):
+    """Requests make the pods Burstable rather than BestEffort, the first evicted; a limit below its request
+    would be refused by the API server (its schema does not say so)."""
+    for name, deployment in _by_kind(rendered, "Deployment").items():
+        resources = _container(deployment)["resources"]
+        requested, limit = _bytes(resources["requests"]["memory"]), _bytes(resources["limits"]["memory"])
+        assert 0 < requested <= limit, name
+        assert "cpu" not in resources["limits"], name  # throttled, a worker would stall between GPU steps
+
+
+def test_worker_memory_is_the_defaults_unless_a_model_has_its_own(render):
+    defaults = {
+        "requests": {"nvidia.com/gpu": 1, "cpu": "2", "memory": "16Gi"},
+        "limits": {"nvidia.com/gpu": 1, "memory": "16Gi"},
+    }
+    (worker,) = (d for name, d in _by_kind(render(), "Deployment").items() if "-worker-" in name)
+    assert _container(worker)["resources"] == defaults
+    deployments = _by_kind(render(TWO_MODELS), "Deployment")
+    assert _container(deployments["tokenrelay-worker-llama-8b"])["resources"] == defaults
+    assert _container(deployments["tokenrelay-worker-qwen-05b"])["resources"] == {
+        "requests": {"nvidia.com/gpu": 1, "cpu": "2", "memory": "8Gi"},
+        "limits": {"nvidia.com/gpu": 1, "memory": "16Gi"},
+    }
+    assert _container(deployments["tokenrelay-gateway"])["resources"] == {
+        "requests": {"cpu": "1", "memory": "1Gi"},
+        "limits": {"memory": "2Gi"},
+    }
 
 
 # Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards), as the admission controller
