@@ -29,6 +29,8 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from gateway.access_log import LabelledMount
+
 _EVENT_MODELS: list[type[BaseModel]] = []
 _REF = "#/components/schemas/{model}"
 DOCS_ASSETS = "/docs-assets"
@@ -71,7 +73,8 @@ def install(app: FastAPI, keys_required: Callable[[str], bool]) -> None:
 def _install_pages(app: FastAPI) -> None:
     """/docs and /redoc, with their assets served from the installed fastapi-offline package (the app is created
     with docs_url=None and redoc_url=None, which would otherwise serve FastAPI's CDN-loading pages)."""
-    app.mount(DOCS_ASSETS, StaticFiles(directory=str(files("fastapi_offline") / "static")), name="docs-assets")
+    assets = StaticFiles(directory=str(files("fastapi_offline") / "static"))
+    app.router.routes.append(LabelledMount(DOCS_ASSETS, app=assets, name="docs-assets"))
 
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
