@@ -15,7 +15,9 @@ included.
   It replaces uvicorn's access log (off: see tokenrelay/http_server.py).
 - Every answer counted in `tokenrelay_gateway_http_responses_total`, by
   route template and status: refusals are counted too, which the request
-  metrics (telemetry/metrics.py) cannot see.
+  metrics (telemetry/metrics.py) cannot see. A mounted app's requests are
+  labelled with its mount's template (`/docs-assets/{path}`) when it is
+  mounted as a `LabelledMount`.
 A WebSocket's streams have lines of their own, from gateway/routes/websocket.py.
 """
 
@@ -27,6 +29,7 @@ import uuid
 
 import structlog
 from prometheus_client import Counter
+from starlette.routing import Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import error_response
@@ -65,6 +68,17 @@ def route_template(scope: Scope) -> str | None:
     change in place rather than copy, for this).
     """
     return getattr(scope.get("route"), "path_format", None)
+
+
+class LabelledMount(Mount):
+    """A Mount that records itself as the request's route, as FastAPI's routes do (FastAPI records no mount): its
+    requests are then labelled with its template, e.g. /docs-assets/{path}, rather than `unmatched`."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child_scope = super().matches(scope)
+        if match is Match.FULL:
+            child_scope["route"] = self
+        return match, child_scope
 
 
 def client_of(scope: Scope) -> str | None:

@@ -11,6 +11,7 @@ of its announced intervals.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.errors import not_found, unavailable
@@ -29,16 +30,20 @@ class _Worker:
 
 
 class WorkerDirectory:
-    def __init__(self) -> None:
+    def __init__(self, on_new_model: Callable[[str], None] = lambda name: None) -> None:
+        """`on_new_model(name)`: called with the canonical name of each model when it is first announced."""
         self._workers: dict[str, _Worker] = {}
         self._models: dict[str, ServedModel] = {}  # every alias ever announced
         self._started_at = time.monotonic()
+        self._on_new_model = on_new_model
 
     def observe(self, heartbeat: WorkerHeartbeat) -> None:
         if heartbeat.leaving:
             self._workers.pop(heartbeat.worker_id, None)
             return
         self._workers[heartbeat.worker_id] = _Worker(heartbeat, time.monotonic())
+        if not any(model.name == heartbeat.model.name for model in self._models.values()):
+            self._on_new_model(heartbeat.model.name)
         for alias in heartbeat.model.aliases:
             self._models[alias] = heartbeat.model
 

@@ -34,12 +34,24 @@ FAILOVERS = Counter(
     "Requests re-published to continue on another worker, by why their attempt broke off.",
     ["model", "reason"],
 )
+# Why an attempt broke off: FAILOVERS' reasons.
+TOKENS_LOST = "tokens lost"
+HANDED_BACK = "handed back by a draining worker"
+LOST_BY_WORKER = "lost by its worker"
+WORKER_GONE = "worker gone"
+REASONS = (TOKENS_LOST, HANDED_BACK, LOST_BY_WORKER, WORKER_GONE)
 # Two heartbeats and a half: a worker's death is noticed 1.5-2.5 s after it (checked every CHECK_EVERY_S).
 WORKER_SILENCE_S = 2.5
 CHECK_EVERY_S = 0.25
 MAX_ATTEMPTS = 8  # past this many, a request ends with an error rather than fail over forever
 _REMEMBER_S = 600.0  # gone workers, and the unwanted events already answered
 _RECANCEL_AFTER_S = 5.0  # a cancel for unwanted events is sent again if they keep coming this long after
+
+
+def count_from_zero(model: str) -> None:
+    """Export the model's failovers at 0, for every reason, until they happen (as telemetry/metrics.py's)."""
+    for reason in REASONS:
+        FAILOVERS.labels(model, snake(reason))
 
 
 class Failover:
@@ -68,20 +80,20 @@ class Failover:
         for event in routed.unwanted:
             self._stop_unwanted(event)
         for inflight in routed.broken:
-            self._fail_over(inflight, "tokens lost")
+            self._fail_over(inflight, TOKENS_LOST)
 
     def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         for inflight in self._registry.handed_back(heartbeat):
-            self._fail_over(inflight, "handed back by a draining worker")
+            self._fail_over(inflight, HANDED_BACK)
         for inflight in self._registry.observe(heartbeat):
-            self._fail_over(inflight, "lost by its worker")
+            self._fail_over(inflight, LOST_BY_WORKER)
 
     def check(self) -> None:
         """Every heartbeat interval: fail over the requests of gone workers, publish what could not be."""
         now = time.monotonic()
         for inflight in self._registry:
             if inflight.worker_id is not None and not inflight.finished and self.workers.gone(inflight.worker_id, now):
-                self._fail_over(inflight, "worker gone")
+                self._fail_over(inflight, WORKER_GONE)
         for inflight in list(self._unpublished):
             self._publish(inflight)
         self.workers.forget_old(now)

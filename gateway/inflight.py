@@ -17,7 +17,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from bus.prefixes import prefix_hashes
-from schemas.messages import ErrorInfo, FinishReason, GenerationRequest, TokenEvent, TokenEvents, WorkerHeartbeat
+from schemas.messages import (
+    INCOMPLETE_GENERATION,
+    TIMEOUT,
+    ErrorInfo,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+    TokenEvents,
+    WorkerHeartbeat,
+)
 from telemetry.metrics import RequestTimer, metrics_of
 
 # How long past its deadline a request waits for the worker's own timeout
@@ -96,7 +105,7 @@ class InFlight:
     def fail(self, message: str) -> None:
         """End the request with an error event of the gateway's own (no worker will answer it)."""
         self._end_here(
-            FinishReason.INVALID_FLAG, ErrorInfo(message=message, error_type="Incomplete Generation", status=500)
+            FinishReason.INVALID_FLAG, ErrorInfo(message=message, error_type=INCOMPLETE_GENERATION, status=500)
         )
 
     def _end_here(self, reason: FinishReason, error: ErrorInfo | None = None) -> None:
@@ -116,7 +125,7 @@ class InFlight:
             index=0,
             finish_reason=FinishReason.STOP_SEQUENCE,
             error=ErrorInfo(
-                message=f"request {self.request.request_id} exceeded its timeout", error_type="Timeout", status=504
+                message=f"request {self.request.request_id} exceeded its timeout", error_type=TIMEOUT, status=504
             ),
         )
 

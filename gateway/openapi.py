@@ -13,11 +13,16 @@ answer 401.
 The pages that show the document, /docs (Swagger UI) and /redoc, load their
 scripts, styles and icon from this server (/docs-assets/, files of the
 fastapi-offline package) instead of FastAPI's default CDN, so that they work
-with no network: a gateway often runs where there is none.
+with no network: a gateway often runs where there is none. Nor do the scripts
+fetch anything elsewhere once loaded: Swagger UI's validator badge (an image
+from validator.swagger.io, given this server's address) is off, and ReDoc's
+bundle is served without the address of Redocly's logo.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Callable
 from importlib.resources import files
 
@@ -28,11 +33,22 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.staticfiles import NotModifiedResponse
+from starlette.types import Scope
+
+from gateway.access_log import LabelledMount
 
 _EVENT_MODELS: list[type[BaseModel]] = []
 _REF = "#/components/schemas/{model}"
 DOCS_ASSETS = "/docs-assets"
 FAVICON = f"{DOCS_ASSETS}/favicon.png"
+_ASSETS = files("fastapi_offline") / "static"
+_REDOC_BUNDLE = "redoc.standalone.js"
+# ReDoc's side menu shows Redocly's logo from their CDN, and leaves it out when it fails to load (as it does with
+# no network). The bundle served here has it fail at once, fetching nothing: an empty data: URL in its place.
+_REDOC_LOGO = b"https://cdn.redoc.ly/redoc/logo-mini.svg"
 
 
 def event_stream(event: type[BaseModel], description: str, error: type[BaseModel], end: str | None = None) -> dict:
@@ -71,7 +87,7 @@ def install(app: FastAPI, keys_required: Callable[[str], bool]) -> None:
 def _install_pages(app: FastAPI) -> None:
     """/docs and /redoc, with their assets served from the installed fastapi-offline package (the app is created
     with docs_url=None and redoc_url=None, which would otherwise serve FastAPI's CDN-loading pages)."""
-    app.mount(DOCS_ASSETS, StaticFiles(directory=str(files("fastapi_offline") / "static")), name="docs-assets")
+    app.router.routes.append(LabelledMount(DOCS_ASSETS, app=_DocsAssets(directory=str(_ASSETS)), name="docs-assets"))
 
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
@@ -82,6 +98,7 @@ def _install_pages(app: FastAPI) -> None:
             swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
             swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{root}{FAVICON}",
+            swagger_ui_parameters={"validatorUrl": None},  # else a badge from validator.swagger.io, sent our address
         )
 
     @app.get("/redoc", include_in_schema=False)
@@ -90,10 +107,30 @@ def _install_pages(app: FastAPI) -> None:
         return get_redoc_html(
             openapi_url=f"{root}{app.openapi_url}",
             title=f"{app.title} - ReDoc",
-            redoc_js_url=f"{root}{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_js_url=f"{root}{DOCS_ASSETS}/{_REDOC_BUNDLE}",
             redoc_favicon_url=f"{root}{FAVICON}",
             with_google_fonts=False,
         )
+
+
+class _DocsAssets(StaticFiles):
+    """fastapi-offline's files, ReDoc's bundle without the address of Redocly's logo."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        if path != _REDOC_BUNDLE:
+            return await super().get_response(path, scope)
+        content, etag = _redoc_bundle()
+        response = Response(content, media_type="text/javascript", headers={"etag": etag})
+        if self.is_not_modified(response.headers, Headers(scope=scope)):  # as StaticFiles answers a file it has
+            return NotModifiedResponse(response.headers)
+        return response
+
+
+@functools.cache
+def _redoc_bundle() -> tuple[bytes, str]:
+    """ReDoc's bundle as served, and its ETag."""
+    content = (_ASSETS / _REDOC_BUNDLE).read_bytes().replace(_REDOC_LOGO, b"data:,")
+    return content, f'"{hashlib.sha256(content).hexdigest()[:32]}"'
 
 
 def _root(request: Request) -> str:

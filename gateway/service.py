@@ -24,6 +24,7 @@ import structlog
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.peers import PeerClock, send_own_heartbeat
 from bus.topics import control_topic, reply_topic, routing_topic
+from gateway import failover
 from gateway.access_log import current_request_id
 from gateway.directory import WorkerDirectory
 from gateway.dispatch import Dispatcher
@@ -33,6 +34,7 @@ from gateway.inflight import InFlight, InFlightRegistry
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from schemas.messages import (
+    STREAM_ERRORS,
     CancelRequest,
     ChatMessage,
     ContentPart,
@@ -53,6 +55,7 @@ log = structlog.get_logger(__name__)
 
 TOO_MANY_REQUESTS = "Too Many Requests"
 SERVICE_UNAVAILABLE = "Service Unavailable"
+FAILURES = (*STREAM_ERRORS, SERVICE_UNAVAILABLE, TOO_MANY_REQUESTS)  # what a request here may fail with
 CLIENT_GONE = "client gone"
 RETRY_AFTER_S = 1  # in-flight requests end every few tens of milliseconds under load
 BACKLOG_INTERVAL_S = 5.0
@@ -74,7 +77,8 @@ class GatewayService:
         self._reply_topic = reply_topic(settings.topic_prefix, self.gateway_id)
         self._control_topic = control_topic(settings.topic_prefix)
         self._routing_topic = routing_topic(settings.topic_prefix)
-        self.directory = WorkerDirectory()
+        self._metrics = metrics_of("gateway")
+        self.directory = WorkerDirectory(on_new_model=self._count_from_zero)
         self.inflight = InFlightRegistry()
         self.router = Router(self._reply_topic)
         self._dispatcher = Dispatcher(bus, self.router if settings.route else None, settings.topic_prefix)
@@ -84,11 +88,15 @@ class GatewayService:
         self._stop_answers: dict[str, asyncio.Future[int]] = {}  # question id -> requests stopped elsewhere
         # Only the stuck-consumer check of the reply listener: no peers there, so no silence or forgetting.
         self._reply_echo = PeerClock(HEARTBEAT_INTERVAL_S, 0.0, LISTENER_STUCK_S, 0.0)
-        self._metrics = metrics_of("gateway")
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
         self._cancelling: set[asyncio.Task] = set()  # cancellations being published
         self.draining = False
+
+    def _count_from_zero(self, model: str) -> None:
+        """A model announced for the first time: its failures and failovers are exported at 0 until they happen."""
+        self._metrics.count_from_zero(model, FAILURES)
+        failover.count_from_zero(model)
 
     async def start(self) -> None:
         await self._bus.create_topics({self._reply_topic: 1, self._control_topic: 1, self._routing_topic: 1})

@@ -156,13 +156,21 @@ def aged_priority(priority: int, waited_s: float, aging_s: float) -> float:
     return priority - waited_s / aging_s
 
 
+# The error_types that end a request's stream (ErrorInfo.error_type): the engine could not generate for it, or
+# could not finish; its deadline passed.
+GENERATION_ERROR = "Generation Error"
+INCOMPLETE_GENERATION = "Incomplete Generation"
+TIMEOUT = "Timeout"
+STREAM_ERRORS = (GENERATION_ERROR, INCOMPLETE_GENERATION)  # the failures among them; a timeout is counted apart
+
+
 class ErrorInfo(BaseModel):
     """An error a worker reports for a request, in the contract's terms."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     message: str
-    error_type: str  # the contract's error_type, e.g. "Generation Error"
+    error_type: str  # the contract's error_type: one of those above
     status: int  # the HTTP status a non-stream answer carries
 
 

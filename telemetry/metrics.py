@@ -5,25 +5,27 @@ exports the families below under `tokenrelay_gateway_*` or
 `tokenrelay_worker_*` (`tokenrelay serve` is both), at GET /metrics.
 Latencies count from the request's arrival at the gateway (the `arrival` it
 carries), so a worker's figures include the time the request spent in Kafka.
+A model's failure and timeout counts are exported at 0 from the moment the
+process knows the model (`count_from_zero`), not from their first event.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
 from bus.base import Bus, BusUnavailable
 from bus.topics import PRIORITIES, request_topics, worker_group
-from schemas.messages import GenerationRequest, TokenEvent
+from schemas.messages import TIMEOUT, GenerationRequest, TokenEvent
 
 log = structlog.get_logger(__name__)
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-_TIMEOUT = "Timeout"
 
 
 @functools.lru_cache(maxsize=1024)  # a few reasons and error types, met on every request's end
@@ -85,6 +87,13 @@ class RequestMetrics:
             ["model", "priority"],
         )
 
+    def count_from_zero(self, model: str, error_types: Iterable[str]) -> None:
+        """Export the model's failures of these error types, and its timeouts, at 0 until they happen: a series
+        born with its first event shows "No data" until then, and rate() over it misses that first one."""
+        for error_type in error_types:
+            self.failures.labels(model, snake(error_type))
+        self.timeouts.labels(model)
+
     def failed(self, model: str, error_type: str) -> None:
         self.failures.labels(model, snake(error_type)).inc()
 
@@ -144,7 +153,7 @@ class RequestTimer:
         (metrics.running if self._last_token_at is not None else metrics.waiting).labels(self._model).dec()
         metrics.e2e_latency.labels(*self._labels).observe(now - self._arrival)
         metrics.requests.labels(*self._labels, snake(outcome)).inc()
-        if failed and outcome == _TIMEOUT:
+        if failed and outcome == TIMEOUT:
             metrics.timeouts.labels(self._model).inc()
         elif failed:
             metrics.failed(self._model, outcome)

@@ -124,6 +124,22 @@ def test_answers_are_counted_by_route_and_status(client):
     assert REGISTRY.get_sample_value("tokenrelay_gateway_http_responses_total", {"route": "unmatched", "status": "404"})
 
 
+def test_the_docs_assets_are_labelled_with_their_mounts_template(client, logged):
+    def count(status: str) -> float:
+        labels = {"route": "/docs-assets/{path}", "status": status}
+        return REGISTRY.get_sample_value("tokenrelay_gateway_http_responses_total", labels) or 0.0
+
+    before = count("200"), count("404")
+    assert client.get("/docs-assets/favicon.png", headers={"X-Request-Id": "icon"}).status_code == 200
+    assert client.get("/docs-assets/nothing.js", headers={"X-Request-Id": "none"}).status_code == 404
+    assert (count("200"), count("404")) == (before[0] + 1, before[1] + 1)
+    lines = {line["request_id"]: (line["route"], line["path"], line["status"]) for line in _access(logged)}
+    assert lines == {
+        "icon": ("/docs-assets/{path}", "/docs-assets/favicon.png", 200),
+        "none": ("/docs-assets/{path}", "/docs-assets/nothing.js", 404),
+    }
+
+
 def test_a_websocket_stream_and_its_connection_are_logged_with_their_ids(client, logged):
     with client.websocket_connect("/ws", headers={"X-Request-Id": "conn"}) as socket:
         assert (b"x-request-id", b"conn") in socket.extra_headers  # on the handshake's answer

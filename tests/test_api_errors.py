@@ -192,7 +192,15 @@ def test_websocket_errors_echo_the_message_id_and_name_the_ops(client):
         }
 
 
-def test_docs_pages_load_everything_from_this_server(client):
+# What makes a browser fetch an address as a page runs, in the pages' scripts and styles: an element's src (in
+# HTML, or a React prop: `src:"https://..."`), a stylesheet's url() or @import, a script's fetch() or importScripts().
+_FETCHED = re.compile(
+    r"(?:\bsrc\s*[=:]\s*|\burl\(\s*|@import\s+|\bfetch\(\s*|\bimportScripts\(\s*)"  # what loads...
+    r"""["'`]?((?:https?:)?//[^"'`)\s]+)"""  # ...an absolute address, with its scheme or without
+)
+
+
+def test_docs_pages_load_everything_from_this_server_and_fetch_nothing_elsewhere(client):
     for page in ("/docs", "/redoc"):
         html = client.get(page)
         assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
@@ -202,4 +210,26 @@ def test_docs_pages_load_everything_from_this_server(client):
         for asset in assets:
             served = client.get(asset)
             assert served.status_code == 200 and len(served.content) > 1000, asset
+            assert _FETCHED.findall(served.text) == [], asset  # ReDoc's bundle fetched Redocly's logo from its CDN
+    # Swagger UI's default: a badge image from validator.swagger.io, asked about this server's own address.
+    assert '"validatorUrl": null' in client.get("/docs").text
     assert client.get("/openapi.json").status_code == 200
+
+
+def test_the_fetch_pattern_finds_what_the_bundles_fetched_elsewhere():
+    found = [
+        'r.createElement("img",{alt:"redocly logo",src:"https://cdn.redoc.ly/redoc/logo-mini.svg"})',
+        '<img src="//cdn.example/a.png">',
+        "background: url('https://fonts.example/x.woff2')",
+        "@import 'https://fonts.example/css';",
+        "fetch(`https://api.example/v1`)",
+    ]
+    left = ['<a href="https://redocly.com/redoc/">', 'new URL("https://base")', "s.url()", 'src:"/docs-assets/x.png"']
+    assert [_FETCHED.findall(text) for text in found] == [
+        ["https://cdn.redoc.ly/redoc/logo-mini.svg"],
+        ["//cdn.example/a.png"],
+        ["https://fonts.example/x.woff2"],
+        ["https://fonts.example/css"],
+        ["https://api.example/v1"],
+    ]
+    assert [_FETCHED.findall(text) for text in left] == [[], [], [], []]

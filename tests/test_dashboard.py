@@ -20,7 +20,7 @@ from telemetry.metrics import metrics_of
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "tokenrelay.json"
-PACKAGES = ("bus", "gateway", "schemas", "tokenrelay", "workers")
+PACKAGES = ("bus", "gateway", "schemas", "telemetry", "tokenrelay", "workers")
 
 PANELS = {
     "Time to first token p50/p95/p99 by priority",
@@ -34,6 +34,7 @@ PANELS = {
     "Errors by reason",
     "Timeouts",
     "Requests by outcome",
+    "HTTP 4xx / 5xx answers",
 }
 # What a family of each type exports (prometheus_client's text format; `_created` aside).
 SUFFIXES = {
@@ -103,9 +104,11 @@ def test_the_registry_holds_the_gateways_and_the_workers_families(exported):
         "tokenrelay_gateway_failovers_total",
         "tokenrelay_gateway_requests_held",
         "tokenrelay_worker_tokens_after_cancel_total",
+        "tokenrelay_gateway_http_responses_total",
     ):
         assert name in exported, name
     assert exported["tokenrelay_gateway_e2e_request_latency_seconds_bucket"] == ("model", "priority", "le")
+    assert exported["tokenrelay_gateway_http_responses_total"] == ("route", "status")
     assert (
         "tokenrelay_gateway_failovers" not in exported
         and "tokenrelay_gateway_e2e_request_latency_seconds" not in exported
@@ -144,11 +147,28 @@ def test_every_label_an_expression_or_a_legend_uses_is_on_its_metric(dashboard, 
     assert not wrong, f"labels that are not there: {wrong}"
 
 
-def test_every_selector_filters_by_the_model_variable(dashboard):
+def test_every_selector_filters_by_the_model_variable_where_its_metric_has_a_model(dashboard, exported):
+    unfiltered = []
     for title, target in _targets(dashboard):
         selectors = SELECTOR.findall(target["expr"])
         assert len(selectors) == len(METRIC.findall(target["expr"])), (title, target["expr"])
-        assert all('model=~"$model"' in matchers for _, matchers in selectors), (title, target["expr"])
+        for name, matchers in selectors:
+            if "model" in exported.get(name, ()):
+                assert 'model=~"$model"' in matchers, (title, target["expr"])
+            else:
+                unfiltered.append(name)
+    assert unfiltered == ["tokenrelay_gateway_http_responses_total"] * 2  # by route and status: no model to filter
+
+
+def test_http_errors_are_shown_by_status_class_and_as_0_before_the_first(dashboard):
+    (panel,) = (panel for panel in _panels(dashboard) if panel["title"] == "HTTP 4xx / 5xx answers")
+    assert [(target["legendFormat"], target["expr"]) for target in panel["targets"]] == [
+        (
+            f"{digit}xx",
+            f'sum(rate(tokenrelay_gateway_http_responses_total{{status=~"{digit}.."}}[$__rate_interval])) or vector(0)',
+        )
+        for digit in "45"
+    ]
 
 
 def test_the_dashboard_has_every_panel_and_its_variables(dashboard, exported):

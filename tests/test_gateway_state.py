@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import pytest
+from prometheus_client import REGISTRY
 
 from bus.inprocess import InProcessBus
 from bus.topics import control_topic, reply_topic
@@ -178,6 +180,34 @@ def test_routes_without_a_model_use_the_only_one_or_the_configured_default():
     assert ambiguous.value.status == 404 and "--default-model" in ambiguous.value.body.error
     configured = GatewayService(InProcessBus(), GatewaySettings(default_model="other"))
     assert configured.default_model_name() == "other"
+
+
+def test_a_models_failure_and_failover_counts_are_exported_at_zero_once_it_is_announced():
+    """Before their first event too: Grafana shows 0 rather than "No data", and rate() counts that first event."""
+    model = f"zero-{uuid.uuid4().hex[:8]}"  # the registry is the process's: a model no other test counts for
+
+    def counts() -> dict[tuple[str, str], float]:
+        return {
+            (sample.name, sample.labels.get("reason", "")): sample.value
+            for family in REGISTRY.collect()
+            for sample in family.samples
+            if sample.labels.get("model") in (model, "its-alias") and sample.name.endswith("_total")
+        }
+
+    service = GatewayService(InProcessBus(), GatewaySettings())
+    assert counts() == {}
+    service.directory.observe(_heartbeat("w1", [model, "its-alias"]))
+    assert counts() == {
+        ("tokenrelay_gateway_failovers_total", "tokens_lost"): 0.0,
+        ("tokenrelay_gateway_failovers_total", "handed_back_by_a_draining_worker"): 0.0,
+        ("tokenrelay_gateway_failovers_total", "lost_by_its_worker"): 0.0,
+        ("tokenrelay_gateway_failovers_total", "worker_gone"): 0.0,
+        ("tokenrelay_gateway_failures_total", "generation_error"): 0.0,
+        ("tokenrelay_gateway_failures_total", "incomplete_generation"): 0.0,
+        ("tokenrelay_gateway_failures_total", "service_unavailable"): 0.0,
+        ("tokenrelay_gateway_failures_total", "too_many_requests"): 0.0,
+        ("tokenrelay_gateway_timeouts_total", ""): 0.0,
+    }
 
 
 async def test_events_nobody_waits_for_are_answered_with_one_cancel_for_every_attempt():

@@ -6,7 +6,10 @@ is built). Every rendered object is validated: Kubernetes' own kinds against the
 kubernetes-validate ships (strict: an unknown field is an error), the operators' kinds (KEDA, Prometheus
 operator, Strimzi) against their CRDs' schemas vendored in deploy/helm/crd-schemas/. The rest checks
 that the chart and the code agree: env names are flags, KEDA watches the topics and consumer group
-the workers really use, probes hit the ports the processes listen on.
+the workers really use, probes hit the ports the processes listen on. Every example values file beside the
+chart (deploy/helm/*.yaml) is rendered, and each container's process is started from its rendered environment as
+far as it goes without a cluster (tests/test_deploy_files.py's `started`). Every pod must pass Pod Security
+"restricted" as its admission controller checks pods, and run as the image's own user.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -24,23 +28,29 @@ import yaml
 
 from bus.topics import request_topics, worker_group
 from tests.processes import REPO
-from tests.test_deploy_files import _flags_of
-from tokenrelay.flags import build_parser, parse_args
+from tests.test_deploy_files import _dockerfile, _flags_of, started
+from tokenrelay.settings import Settings
 
 CHART = REPO / "deploy" / "helm" / "tokenrelay"
 TWO_MODELS = REPO / "deploy" / "helm" / "two-models.yaml"
+EXAMPLES = sorted((REPO / "deploy" / "helm").glob("*.yaml"))  # the example values files, each rendered
 CRD_SCHEMAS = REPO / "deploy" / "helm" / "crd-schemas"
 RENDER = REPO / ".tools" / "bin" / "helm-render"
 KUBERNETES_VERSION = "1.33"  # the oldest release the chart is checked against (kubernetes-validate has 1.x up to 1.37)
 NAMESPACE = "inference"
 
-# Variants beyond the two values files: Strimzi's older API, everything optional off, a hub-id model.
+# Variants beyond the values files: Strimzi's older API, everything optional off, a hub-id model.
 STRIMZI_V1BETA2 = {"kafka": {"strimzi": {"apiVersion": "kafka.strimzi.io/v1beta2", "version": "4.1.1"}}}
 MINIMAL = {
     "kafka": {"bootstrap": "kafka.example:9092", "strimzi": {"enabled": False}},
     "topicPrefix": "prod",
     "gateway": {"autoscaling": {"enabled": False}, "pdb": {"enabled": False}, "preStopSleepSeconds": 0},
-    "worker": {"pdb": {"enabled": False}, "resources": {}, "tolerations": []},
+    # Workers on CPUs: no GPU asked for, nor tolerated.
+    "worker": {
+        "pdb": {"enabled": False},
+        "resources": {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
+        "tolerations": [],
+    },
     "keda": {"enabled": False},
     "models": [
         {"name": "qwen", "hubId": "Qwen/Qwen2.5-0.5B-Instruct", "replicas": 3},
@@ -74,7 +84,7 @@ def render(tmp_path_factory):
 
 VARIANTS = {
     "defaults": (),
-    "two-models": (TWO_MODELS,),
+    **{example.stem: (example,) for example in EXAMPLES},
     "strimzi-v1beta2": (STRIMZI_V1BETA2,),
     "minimal": (MINIMAL,),
 }
@@ -138,9 +148,12 @@ def _env(container: dict) -> dict[str, str | None]:
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
-def _parse(command: str, env: dict[str, str | None]):
-    """The container's command line as the process reads it: flags from its environment, checked as flags."""
-    return parse_args([command], {name: "pod-0" if value is None else value for name, value in env.items()})
+def _settings(deployment: dict) -> Settings:
+    """The settings of the deployment's process, started from its rendered environment as far as it goes here (a
+    value from a field, the pod's name, as pod-0; its model looked for on the volumes it mounts)."""
+    container = _container(deployment)
+    env = {name: "pod-0" if value is None else value for name, value in _env(container).items()}
+    return started(container["command"][1], env, [mount["mountPath"] for mount in container.get("volumeMounts", [])])
 
 
 def test_every_rendered_object_matches_its_schema(rendered):
@@ -192,7 +205,7 @@ def test_every_setting_is_a_flag_of_the_command_the_container_runs(rendered):
             if name.startswith("TOKENRELAY_"):
                 flag = "--" + name.removeprefix("TOKENRELAY_").lower().replace("_", "-")
                 assert flag in flags, f"{deployment['metadata']['name']}: {name} names no flag of `{' '.join(command)}`"
-        _parse(command[1], env)  # every value is one the flag takes
+        _settings(deployment)  # every value is one its flag takes, and the process starts with them
 
 
 def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered):
@@ -203,19 +216,19 @@ def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered):
     assert workers
     for scaled in scaled_objects.values():
         target = deployments[scaled["spec"]["scaleTargetRef"]["name"]]
-        args = _parse("worker", _env(_container(target)))
-        model = args.served_model_name[0]
+        settings = _settings(target)
+        model, prefix = settings.model.served_names[0], settings.worker.topic_prefix
         triggers = [t for t in scaled["spec"]["triggers"] if t["type"] == "kafka"]
-        assert [t["metadata"]["topic"] for t in triggers] == request_topics(args.topic_prefix, model)
+        assert [t["metadata"]["topic"] for t in triggers] == request_topics(prefix, model)
         for trigger in triggers:
-            assert trigger["metadata"]["consumerGroup"] == worker_group(args.topic_prefix, model)
+            assert trigger["metadata"]["consumerGroup"] == worker_group(prefix, model)
             bootstrap = trigger["metadata"]["bootstrapServers"]
             if kafka:  # KEDA's operator runs in its own namespace: the name must reach across
                 (name,) = kafka
-                assert args.kafka_bootstrap == f"{name}-kafka-bootstrap:9092"
+                assert settings.bus.bootstrap_servers == f"{name}-kafka-bootstrap:9092"
                 assert bootstrap == f"{name}-kafka-bootstrap.{NAMESPACE}.svc:9092"
             else:
-                assert bootstrap == args.kafka_bootstrap
+                assert bootstrap == settings.bus.bootstrap_servers
         assert "replicas" not in target["spec"]  # KEDA owns the count
     if scaled_objects:
         assert {d["metadata"]["name"] for d in workers} == set(scaled_objects)
@@ -224,23 +237,24 @@ def test_keda_watches_the_topics_and_group_of_the_workers_it_scales(rendered):
 def test_each_model_runs_what_its_entry_names(render):
     docs = render(TWO_MODELS)
     llama, qwen = (_by_kind(docs, "Deployment")[f"tokenrelay-worker-{name}"] for name in ("llama-8b", "qwen-05b"))
-    args = _parse("worker", _env(_container(llama)))
-    assert args.served_model_name == ["llama-3.1-8b", "llama3"]
-    assert args.model == "/models/meta-llama-3.1-8b-instruct"
-    assert args.max_batch_size == 256 and args.dtype == "bfloat16" and args.gpu_memory_fraction == 0.9
+    settings = _settings(llama)
+    assert settings.model.served_names == ("llama-3.1-8b", "llama3")
+    assert settings.model.path == "/models/meta-llama-3.1-8b-instruct" and settings.model.dtype == "bfloat16"
+    assert settings.engine.max_batch_size == 256 and settings.engine.gpu_memory_fraction == 0.9
     mount = next(m for m in _container(llama)["volumeMounts"] if m["name"] == "model")
     assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
     volume = next(v for v in llama["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
     assert volume["persistentVolumeClaim"]["claimName"] == "model-weights"
-    args = _parse("worker", _env(_container(qwen)))
-    assert args.model == args.served_model_name[0] == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert worker_group(args.topic_prefix, args.served_model_name[0]) == "tokenrelay.workers.Qwen_Qwen2.5-0.5B-Instruct"
-    assert _env(_container(qwen))["HF_HOME"] == "/models/huggingface"  # the hostPath caches downloads
+    settings = _settings(qwen)
+    assert settings.model.path == settings.model.served_names[0] == "Qwen/Qwen2.5-0.5B-Instruct"
+    group = worker_group(settings.worker.topic_prefix, settings.model.served_names[0])
+    assert group == "tokenrelay.workers.Qwen_Qwen2.5-0.5B-Instruct"
+    assert _env(_container(qwen))["HF_HOME"] == "/models/huggingface"  # the claim caches downloads
     assert "HF_TOKEN" in _env(_container(qwen))
     assert _container(qwen)["resources"]["requests"] == {"nvidia.com/gpu": 1, "cpu": "2", "memory": "8Gi"}
     for deployment in (llama, qwen):
         assert _container(deployment)["resources"]["limits"]["nvidia.com/gpu"] == 1
-    gateway = _parse("gateway", _env(_container(_by_kind(docs, "Deployment")["tokenrelay-gateway"])))
+    gateway = _settings(_by_kind(docs, "Deployment")["tokenrelay-gateway"]).gateway
     assert gateway.max_in_flight == 8192 and gateway.default_model == "llama-3.1-8b"
 
 
@@ -258,17 +272,191 @@ def test_without_autoscaling_the_replicas_are_the_values(render):
 def test_probes_reach_the_ports_the_processes_listen_on(rendered):
     for deployment in _by_kind(rendered, "Deployment").values():
         container = _container(deployment)
-        args = _parse(container["command"][1], _env(container))
+        settings = _settings(deployment)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        if args.command == "gateway":
-            assert args.host == "0.0.0.0" and ports["http"] == args.port
+        if settings.command == "gateway":
+            assert settings.server.host == "0.0.0.0" and ports["http"] == settings.server.port
             assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
             assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
         else:
-            host, _, port = args.metrics_address.rpartition(":")
+            host, _, port = settings.metrics_address.rpartition(":")
             assert host == "0.0.0.0" and ports["metrics"] == int(port)
-            for probe in ("startupProbe", "readinessProbe"):
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
                 assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+
+
+def test_workers_are_restarted_when_unanswering_once_started_and_gateways_when_their_loop_stops(render):
+    for values in ((), (TWO_MODELS,)):
+        for name, deployment in _by_kind(render(*values), "Deployment").items():
+            container = _container(deployment)
+            if name == "tokenrelay-gateway":
+                assert "startupProbe" not in container  # it listens within seconds
+                assert container["livenessProbe"] == {
+                    "httpGet": {"path": "/v2/health/live", "port": "http"},
+                    "periodSeconds": 10,
+                    "timeoutSeconds": 1,
+                    "failureThreshold": 3,
+                }
+                continue
+            # Kubernetes runs no liveness probe until the startup probe has passed: a model loads for its 15 minutes.
+            assert container["startupProbe"] == {
+                "httpGet": {"path": "/metrics", "port": "metrics"},
+                "periodSeconds": 10,
+                "timeoutSeconds": 5,
+                "failureThreshold": 90,
+            }
+            assert container["livenessProbe"] == {
+                "httpGet": {"path": "/metrics", "port": "metrics"},
+                "periodSeconds": 10,
+                "timeoutSeconds": 5,
+                "failureThreshold": 6,
+            }
+    probes = {"livenessProbe": {"periodSeconds": 30, "failureThreshold": 4}}  # over the defaults, key by key
+    for deployment in _by_kind(render({"worker": probes, "gateway": probes}), "Deployment").values():
+        liveness = _container(deployment)["livenessProbe"]
+        assert (liveness["periodSeconds"], liveness["failureThreshold"]) == (30, 4)
+
+
+_QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _bytes(quantity: str | int) -> int:
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", str(quantity)).groups()
+    return int(number) * _QUANTITY.get(unit, 1)
+
+
+def test_every_container_requests_memory_and_no_more_is_allowed_a_worker_than_it_asked_for(rendered):
+    """Requests make the pods Burstable rather than BestEffort, the first evicted; a limit below its request
+    would be refused by the API server (its schema does not say so)."""
+    for name, deployment in _by_kind(rendered, "Deployment").items():
+        resources = _container(deployment)["resources"]
+        requested, limit = _bytes(resources["requests"]["memory"]), _bytes(resources["limits"]["memory"])
+        assert 0 < requested <= limit, name
+        assert "cpu" not in resources["limits"], name  # throttled, a worker would stall between GPU steps
+
+
+def test_worker_memory_is_the_defaults_unless_a_model_has_its_own(render):
+    defaults = {
+        "requests": {"nvidia.com/gpu": 1, "cpu": "2", "memory": "16Gi"},
+        "limits": {"nvidia.com/gpu": 1, "memory": "16Gi"},
+    }
+    (worker,) = (d for name, d in _by_kind(render(), "Deployment").items() if "-worker-" in name)
+    assert _container(worker)["resources"] == defaults
+    deployments = _by_kind(render(TWO_MODELS), "Deployment")
+    assert _container(deployments["tokenrelay-worker-llama-8b"])["resources"] == defaults
+    assert _container(deployments["tokenrelay-worker-qwen-05b"])["resources"] == {
+        "requests": {"nvidia.com/gpu": 1, "cpu": "2", "memory": "8Gi"},
+        "limits": {"nvidia.com/gpu": 1, "memory": "16Gi"},
+    }
+    assert _container(deployments["tokenrelay-gateway"])["resources"] == {
+        "requests": {"cpu": "1", "memory": "1Gi"},
+        "limits": {"memory": "2Gi"},
+    }
+
+
+# Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards), as the admission controller
+# applies "restricted" to a pod: the baseline's controls on host access and privileges, then restricted's own.
+_RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected"}
+_RESTRICTED_VOLUMES |= {"secret"}
+
+
+def _refused_by_restricted(pod: dict) -> list[str]:
+    """What Pod Security "restricted" refuses in a pod template, each control named as the standard names it
+    (AppArmor, SELinux, /proc mounts and sysctls aside: the chart sets none of them)."""
+    spec = pod["spec"]
+    refused = [f"Host Namespaces: {field}" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
+    for volume in spec.get("volumes", []):
+        (source,) = set(volume) - {"name"}
+        if source not in _RESTRICTED_VOLUMES:
+            refused.append(f"Volume Types: {volume['name']} is a {source}")
+    pod_context = spec.get("securityContext", {})
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        name, context = container["name"], container.get("securityContext", {})
+
+        def setting(field: str, context=context):  # the container's, else the pod's
+            return context.get(field, pod_context.get(field))
+
+        if context.get("privileged"):
+            refused.append(f"Privileged Containers: {name}")
+        if any(port.get("hostPort") for port in container.get("ports", [])):
+            refused.append(f"HostPorts: {name}")
+        if context.get("allowPrivilegeEscalation") is not False:
+            refused.append(f"Privilege Escalation: {name} does not set allowPrivilegeEscalation false")
+        if setting("runAsNonRoot") is not True:
+            refused.append(f"Running as Non-root: {name}")
+        if setting("runAsUser") == 0:
+            refused.append(f"Running as Non-root user: {name} runs as uid 0")
+        if (setting("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            refused.append(f"Seccomp: {name} has no RuntimeDefault or Localhost profile")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []) or set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            refused.append(f"Capabilities: {name} does not drop ALL, or adds more than NET_BIND_SERVICE")
+    return refused
+
+
+def test_every_pod_passes_pod_security_restricted(rendered):
+    for name, deployment in _by_kind(rendered, "Deployment").items():
+        assert _refused_by_restricted(deployment["spec"]["template"]) == [], name
+
+
+def test_the_restricted_check_refuses_what_the_standard_refuses():
+    pod = {
+        "spec": {
+            "hostNetwork": True,
+            "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [
+                {"name": "root", "securityContext": {"runAsNonRoot": False, "runAsUser": 0}},
+                {
+                    "name": "open",
+                    "ports": [{"containerPort": 80, "hostPort": 80}],
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]},
+                        "seccompProfile": {"type": "Unconfined"},
+                    },
+                },
+            ],
+            "volumes": [{"name": "cache", "hostPath": {"path": "/var/cache"}}, {"name": "tmp", "emptyDir": {}}],
+        }
+    }
+    assert _refused_by_restricted(pod) == [
+        "Host Namespaces: hostNetwork",
+        "Volume Types: cache is a hostPath",
+        "Privilege Escalation: root does not set allowPrivilegeEscalation false",
+        "Running as Non-root: root",
+        "Running as Non-root user: root runs as uid 0",
+        "Capabilities: root does not drop ALL, or adds more than NET_BIND_SERVICE",
+        "HostPorts: open",
+        "Seccomp: open has no RuntimeDefault or Localhost profile",
+        "Capabilities: open does not drop ALL, or adds more than NET_BIND_SERVICE",
+    ]
+
+
+def test_pods_run_as_the_images_user_on_a_read_only_root_with_writable_scratch(rendered):
+    """The uid is the image's (a kubelet runs a numeric USER as is); what the processes write has a volume."""
+    dockerfile = _dockerfile()
+    (user,) = [args for instruction, args in dockerfile if instruction == "USER"]
+    uid, gid = (int(n) for n in user.split(":"))
+    home = next(args for instruction, args in dockerfile if instruction == "ENV" and args.startswith("HOME="))
+    for name, deployment in _by_kind(rendered, "Deployment").items():
+        spec, container = deployment["spec"]["template"]["spec"], _container(deployment)
+        assert spec["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": uid,
+            "runAsGroup": gid,
+            "fsGroup": gid,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }, name
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }, name
+        volumes = {volume["name"]: volume for volume in spec["volumes"]}
+        mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
+        assert mounts["/tmp"]["emptyDir"] == {"sizeLimit": "1Gi"}, name
+        if container["command"] == ["tokenrelay", "worker"]:
+            assert mounts[home.removeprefix("HOME=")]["emptyDir"] == {}, name  # caches: no limit by default
 
 
 def test_services_and_monitors_select_the_pods_they_mean(render):
@@ -300,7 +488,9 @@ def test_services_and_monitors_select_the_pods_they_mean(render):
         assert len(selected(pdb["spec"]["selector"]["matchLabels"])) == 1
 
 
-def test_strimzi_runs_kraft_with_a_node_pool_of_three(render):
+def test_strimzi_runs_kraft_with_a_node_pool_of_three_that_every_process_can_write_to(render):
+    """Every process's topics fit the cluster: replicated at most once per broker (or creating them fails), at
+    least as often as an acks=all write needs copies (min.insync.replicas), with room for its largest message."""
     for values in ((), (STRIMZI_V1BETA2,)):
         docs = render(*values)
         (kafka,) = _by_kind(docs, "Kafka").values()
@@ -312,10 +502,13 @@ def test_strimzi_runs_kraft_with_a_node_pool_of_three(render):
                 "strimzi.io/node-pools": "enabled",
                 "strimzi.io/kraft": "enabled",
             }
-        (gateway,) = (d for d in _by_kind(docs, "Deployment").values() if "gateway" in d["metadata"]["name"])
-        assert _env(_container(gateway))["TOKENRELAY_KAFKA_REPLICATION_FACTOR"] == "3"
         config = kafka["spec"]["kafka"]["config"]
-        assert config["message.max.bytes"] >= build_parser().parse_args(["serve"]).max_message_bytes
+        deployments = _by_kind(docs, "Deployment").values()
+        assert len(deployments) == 2  # the gateway, the bundled model's workers
+        for deployment in deployments:
+            bus = _settings(deployment).bus
+            assert (config["min.insync.replicas"], bus.replication_factor, pool["spec"]["replicas"]) == (2, 3, 3)
+            assert bus.max_message_bytes <= config["message.max.bytes"]
 
 
 def test_the_chart_refuses_what_cannot_work(render):
@@ -336,11 +529,11 @@ def test_grace_periods_leave_time_to_drain(rendered):
     --drain-timeout and the last seconds of closing must fit in it."""
     for deployment in _by_kind(rendered, "Deployment").values():
         spec, container = deployment["spec"]["template"]["spec"], _container(deployment)
-        args = _parse(container["command"][1], _env(container))
+        drain_timeout_s = _settings(deployment).drain_timeout_s
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
         assert pre_stop[0] == "sleep"
-        assert args.drain_timeout >= 10
-        assert int(pre_stop[1]) + args.drain_timeout + 10 <= spec["terminationGracePeriodSeconds"]
+        assert drain_timeout_s >= 10
+        assert int(pre_stop[1]) + drain_timeout_s + 10 <= spec["terminationGracePeriodSeconds"]
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     gateway = next(d for d in _by_kind(rendered, "Deployment").values() if _container(d)["command"][1] == "gateway")
     assert (

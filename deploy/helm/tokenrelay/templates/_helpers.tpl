@@ -23,6 +23,23 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
 
+{{/* A probe: an HTTP GET of (list path port settings), with the probe's settings from values (periods,
+thresholds, timeouts). */}}
+{{- define "tokenrelay.probe" -}}
+{{- $get := dict "httpGet" (dict "path" (index . 0) "port" (index . 1)) -}}
+{{- toYaml (merge $get (deepCopy (index . 2))) -}}
+{{- end -}}
+
+{{/* A writable emptyDir on the read-only root filesystem: (list name sizeLimit); no limit when it is empty. */}}
+{{- define "tokenrelay.scratch" -}}
+- name: {{ index . 0 }}
+  emptyDir:
+    {{- with index . 1 }}
+    sizeLimit: {{ . }}
+    {{- else }} {}
+    {{- end }}
+{{- end -}}
+
 {{/* The name of the Strimzi Kafka cluster. */}}
 {{- define "tokenrelay.kafkaName" -}}
 {{- .Values.kafka.strimzi.name | default (include "tokenrelay.fullname" .) | trunc 47 | trimSuffix "-" -}}
