@@ -1,4 +1,5 @@
-"""A model step longer than the Kafka session timeout must not cost the worker its group membership.
+"""A model step longer than the Kafka session timeout must not cost the worker its group membership, and one
+longer than the engine-stuck timeout stops the worker, whose request then goes on elsewhere.
 
 The worker computes off its event loop, so its consumer keeps heartbeating
 and polling while the model runs. Were the model on the loop, the broker
@@ -8,6 +9,7 @@ delivered again.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
@@ -18,6 +20,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tests.processes import free_port, wait_ready
 from workers.bundled import BUNDLED_MODEL
+from workers.simulated.profile import PROFILES
 
 SESSION_TIMEOUT_MS = 1000  # the least deploy/kafka/broker.sh lets a group ask for
 
@@ -91,3 +94,34 @@ def test_a_step_longer_than_the_session_timeout_keeps_the_worker_in_its_group(
     assert worker.events_named("partitions_revoked") == []
     assert worker.events_named("commit_failed") == []
     assert len(worker.events_named("request_admitted")) == 1  # not delivered a second time
+
+
+@pytest.mark.kafka
+async def test_a_step_past_the_engine_stuck_timeout_stops_the_worker_and_its_request_goes_on_elsewhere(
+    kafka_bootstrap, spawn, topic_prefix, tmp_path
+):
+    """A simulated model whose every step takes 60 s: stuck, as far as a timeout of 1 s can tell. The worker
+    stops (exit 1, one engine_stuck line) instead of heartbeating on with its request held, and the gateway
+    fails the request over: a worker that starts later answers it, with the tokens the seed gives."""
+    profile = json.loads((PROFILES / "bundled-cpu.json").read_text())
+    stuck = tmp_path / "stuck.json"
+    stuck.write_text(json.dumps({**profile, "name": "stuck", "step": {**profile["step"], "base_s": 60.0}}))
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
+    named = ["--served-model-name", "sim"]
+    worker = spawn("worker", *kafka, *named, "--simulate", str(stuck), "--engine-stuck-timeout", "1")
+    port = free_port()
+    gateway = spawn("gateway", "--port", str(port), *kafka)
+    base_url = f"http://127.0.0.1:{port}"
+    wait_ready(base_url, "sim", [worker, gateway])
+    body = {"text_input": "a prompt", "parameters": {"max_new_tokens": 3, "seed": 7, "details": True}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        answer = asyncio.create_task(client.post(f"{base_url}/v2/models/sim/generate", json=body))
+        assert await asyncio.to_thread(worker.popen.wait, 60) == 1
+        spawn("worker", *kafka, *named, "--simulate", "bundled-cpu")
+        answer = await answer
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["details"]["generated_tokens"] == 3
+    (line,) = worker.events_named("engine_stuck")
+    assert line["step_s"] > 1
+    failovers = gateway.events_named("request_failing_over")
+    assert [f["reason"] for f in failovers] == ["worker gone"], failovers

@@ -238,6 +238,14 @@ def _engine_options(parser: _Parser) -> None:
         help="seconds of waiting that make a request one priority level more urgent",
     )
     _option(parser, "--worker-id", default="", help="this worker's id in heartbeats and logs; empty: host-pid")
+    _option(
+        parser,
+        "--engine-stuck-timeout",
+        type=float,
+        default=300.0,
+        help="seconds an engine step may run before the worker takes its engine for stuck and exits (status 1), "
+        "so that an orchestrator restarts it and the gateways fail its requests over; 0: never",
+    )
 
 
 def _fleet_worker_options(parser: _Parser, simulate_default: str) -> None:

@@ -134,7 +134,11 @@ def _worker(args: argparse.Namespace) -> WorkerSettings:
             "partitions": args.partitions,
             "heartbeat_interval_s": args.heartbeat_interval,
         }
-    return WorkerSettings(worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}", **fleet)
+    return WorkerSettings(
+        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        engine_stuck_s=args.engine_stuck_timeout,
+        **fleet,
+    )
 
 
 def _model(args: argparse.Namespace) -> ModelSettings:

@@ -16,6 +16,7 @@ class WorkerSettings:
     topic_prefix: str = "tokenrelay"
     partitions: int = 8  # per request topic: up to this many workers share a priority
     heartbeat_interval_s: float = 1.0
+    engine_stuck_s: float = 300.0  # an engine step running longer stops the worker; 0: never
 
 
 @dataclass(frozen=True)

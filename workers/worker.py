@@ -34,6 +34,8 @@ from bus.peers import PeerClock, send_own_heartbeat
 from bus.prefixes import CHUNK_BYTES, prefix_hashes, prompt_bytes
 from bus.topics import control_topic, inbox_topic, request_topics, routing_topic, worker_group
 from schemas.messages import (
+    STREAM_ERRORS,
+    TIMEOUT,
     CancelRequest,
     ErrorInfo,
     FinishReason,
@@ -107,6 +109,8 @@ class Worker:
             image_pixels=self._engine.image_pixels,
         )
         self._metrics = metrics_of("worker")
+        self._metrics.count_from_zero(self.model.name, STREAM_ERRORS)
+        TOKENS_AFTER_CANCEL.labels(self.model.name)  # exported at 0 until the first
         self._topics = request_topics(settings.topic_prefix, self.model.name)
         self._group = worker_group(settings.topic_prefix, self.model.name)
         self._control_topic = control_topic(settings.topic_prefix)
@@ -139,6 +143,7 @@ class Worker:
         self._inbox: Listener | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._draining = False
+        self._engine_stuck = False  # its step outlasted engine_stuck_s: stop() does not wait for it
         # Request id -> attempt, taken and given up while draining: heartbeats name them so gateways fail them over.
         self._handed_back: dict[str, int] = {}
 
@@ -220,7 +225,7 @@ class Worker:
 
     async def stop(self) -> None:
         await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
-        self._engine.stop()
+        self._engine.stop(wait_s=0.0 if self._engine_stuck else 30.0)  # its thread is a daemon: it ends with us
         if self._queue is not None and not self._draining:  # a drain has closed it
             await self._queue.close()
         if self._control is not None:
@@ -313,7 +318,7 @@ class Worker:
         elif time.time() > request.deadline:
             log.info("request_skipped", **request.log_ids(), reason="expired while queued")
             message = f"request {request.request_id} expired in the queue"
-            self._drops.append((delivery, ErrorInfo(message=message, error_type="Timeout", status=504)))
+            self._drops.append((delivery, ErrorInfo(message=message, error_type=TIMEOUT, status=504)))
         elif self._has_room(request.priority):
             self._gateways.expect(request.reply_to, time.monotonic())
             self._active[request.request_id] = _Taken(delivery, RequestTimer(self._metrics, request))
@@ -462,6 +467,12 @@ class Worker:
             (self._inbox_topic, self._inbox, self._inbox_echo),
         ]
         while True:
+            # A step that never ends would leave the worker heartbeating, its requests never failed over: it
+            # stops instead (exit 1; an orchestrator restarts it), and the gateways fail its requests over.
+            if self._settings.engine_stuck_s and (busy := self._engine.busy_s()) > self._settings.engine_stuck_s:
+                log.error("engine_stuck", worker_id=self._settings.worker_id, step_s=round(busy, 1))
+                self._engine_stuck = True
+                raise RuntimeError(f"the engine's step has run for {busy:.0f} s")
             for topic, listener, echo in watched:
                 await send_own_heartbeat(self._bus, topic, self._heartbeat(), listener, echo)
             now = time.time()  # a cancel outlives its request's deadline in no one's interest

@@ -13,14 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.messages import ErrorInfo, FinishReason, TextPart, TokenEvent
+from schemas.messages import GENERATION_ERROR, ErrorInfo, FinishReason, TextPart, TokenEvent
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.request import EngineRequest
 from workers.engine.sequence import Sequence
 from workers.engine.stop_strings import StopStrings
-
-GENERATION_ERROR = "Generation Error"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from schemas.messages import ErrorInfo, FinishReason, TokenEvent
+from schemas.messages import INCOMPLETE_GENERATION, TIMEOUT, ErrorInfo, FinishReason, TokenEvent
 from workers.engine.admission import Admission, Rejected, Submitted, unstarted_end
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
@@ -119,6 +119,7 @@ class Engine:
         self._admission = Admission(loaded, self._vision, config, self.max_input_len)
         self._runner.yield_between_layers(self._start_urgent)
         self._thread: threading.Thread | None = None  # start()'s
+        self._busy_since: float | None = None  # when the engine thread took up its current round of work
 
     @property
     def max_input_len(self) -> int:
@@ -157,15 +158,22 @@ class Engine:
         )
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 30.0) -> None:
+        """End the engine thread after its step, waiting for it at most `wait_s` (a stuck one: not at all)."""
         if self.alive():
             self._inbox.put(_STOP)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=wait_s)
         if self._grammars is not None:
             self._grammars.close()
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def busy_s(self) -> float:
+        """How long the engine thread has been on its current step (admissions included); 0 while it waits for
+        work. Read from any thread: a step that never ends shows here as a number that only grows."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def submit(self, request: EngineRequest, received_at: float) -> None:
         """Queue a request; its events come out of `on_step`. Thread-safe. A request with a grammar
@@ -204,7 +212,9 @@ class Engine:
         while True:
             commands, self._deferred = self._deferred, []
             if not commands and not self._sequences:  # block only when there is nothing to compute
+                self._busy_since = None  # waiting for work is not being stuck
                 commands.append(self._inbox.get())
+            self._busy_since = time.monotonic()
             while not self._inbox.empty():
                 commands.append(self._inbox.get_nowait())
             events: list[TokenEvent] = []
@@ -302,7 +312,7 @@ class Engine:
             output = self._runner.execute(chunks, drawing)
         except Exception as error:  # a broken step must fail its requests, not the worker
             log.exception("step_failed", requests=[c.sequence.request_id for c in chunks])
-            failure = ErrorInfo(message=f"generation failed: {error}", error_type="Incomplete Generation", status=500)
+            failure = ErrorInfo(message=f"generation failed: {error}", error_type=INCOMPLETE_GENERATION, status=500)
             return [self._end(c.sequence, FinishReason.INVALID_FLAG, failure) for c in chunks]
         for chunk in chunks:
             scores = output.prompt_logprobs.get(chunk.sequence.request_id)
@@ -335,6 +345,6 @@ class Engine:
 def _timeout_error(sequence: Sequence) -> ErrorInfo:
     return ErrorInfo(
         message=f"request {sequence.request.request_id} exceeded its timeout",
-        error_type="Timeout",
+        error_type=TIMEOUT,
         status=504,
     )
