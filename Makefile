@@ -24,7 +24,7 @@ $(BIN)/.installed: pyproject.toml uv.lock | $(UV)
 	UV_PYTHON_DOWNLOADS=never $(UV) sync --locked --extra test --python $(PYTHON) --quiet
 	@echo "installed from uv.lock:"; $(UV) tree --frozen --depth 1 | tail -n +2
 	@$(UV) pip list --python $(BIN)/python --format freeze | grep -E '^(triton|numpy|tokenizers|safetensors)=='
-	# Compile the engine's C++ decode kernel now (in ~/.cache/tokenrelay, shared by checkouts), not in the first request's path.
+	# Compile the engine's C++ decode kernel now (cached on disk), not in the first request's path.
 	$(BIN)/python -c "from workers.engine.attention import decode_kernel; decode_kernel()"
 	touch $@
 

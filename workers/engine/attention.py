@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import pathlib
 from dataclasses import dataclass
 
@@ -40,43 +39,35 @@ from transformers import AttentionInterface
 
 IMPLEMENTATION = "tokenrelay_paged"
 _KERNEL_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cpp")
-_KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"]
 log = structlog.get_logger(__name__)
 
 
 @functools.cache
 def decode_kernel():
-    """The C++ decode kernel, compiled for this CPU on first use and kept where every checkout on this machine
-    finds it (~/.cache/tokenrelay/kernels); None if it cannot be built."""
+    """The C++ decode kernel, compiled for this CPU on first use (cached on disk); None if it cannot be built."""
     from torch.utils.cpp_extension import load
 
-    # The build is named after all that makes it: this CPU's features (-march=native code must not be loaded on
-    # another CPU), the source, the flags and torch's version. Checkouts then share one build of the same
-    # kernel, and never rebuild over each other's.
-    cpu = next(
+    # -march=native code must not be loaded on another CPU: the build cache is keyed by this CPU's features.
+    flags = next(
         (line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
     )
-    made_of = "\0".join([cpu, _KERNEL_SOURCE.read_text(), *_KERNEL_FLAGS, torch.__version__])
-    name = "tokenrelay_paged_decode_" + hashlib.sha256(made_of.encode()).hexdigest()[:16]
-    build: pathlib.Path | None = _kernel_cache() / name
+    name = "tokenrelay_paged_decode_" + hashlib.sha256(flags.encode()).hexdigest()[:12]
+    # Built beside the source: checkouts sharing torch's cache folder would rebuild each other's kernel.
+    build: pathlib.Path | None = _KERNEL_SOURCE.with_name(".kernel-build") / name
     try:
         build.mkdir(parents=True, exist_ok=True)
-    except OSError:  # no writable home: torch's own cache folder
+    except OSError:  # installed read-only: torch's own cache folder
         build = None
     try:
         return load(
             name=name,
             sources=[str(_KERNEL_SOURCE)],
-            extra_cflags=_KERNEL_FLAGS,
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
             build_directory=str(build) if build else None,
         )
     except Exception as error:  # no compiler, no ninja: the PyTorch path still works
         log.warning("decode_kernel_unavailable", error=str(error)[:500])
         return None
-
-
-def _kernel_cache() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "tokenrelay" / "kernels"
 
 
 KERNELS = ("triton", "cpu", "torch")
