@@ -52,11 +52,11 @@ $(HELM_RENDER): deploy/helm/render/main.go deploy/helm/render/go.mod deploy/helm
 helm-render: $(HELM_RENDER)
 
 # Two test processes (pytest-xdist): a test mostly waits on the processes it starts and on Kafka, so two
-# of them share two cores well. A module's tests stay on one worker, with its servers (tests/conftest.py).
+# of them share two cores well. --dist loadfile keeps a module's tests on one worker, with its servers.
 TEST_WORKERS ?= 2
 
 test: install kafka helm-render
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # On a machine with an NVIDIA GPU: the engine's exactness tests on CUDA and its GPU bench, one summary.
 gpu-check:

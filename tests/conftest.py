@@ -77,15 +77,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under `--dist loadgroup` a module's tests go to one worker, as its module-scoped servers need; modules
-    that share a session-scoped server name a group of their own (`xdist_group`)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):

@@ -17,6 +17,10 @@ from tokenrelay.topology import REPO, free_port
 from tokenrelay.topology import wait_ready as wait_gateway_ready
 
 TOKENRELAY = str(Path(sys.executable).parent / "tokenrelay")
+# A worker's flags for the bundled model's stand-in: the real worker and engine around a model that is its step
+# times alone (workers/simulated/), for tests of what carries tokens rather than of the tokens. It starts in a
+# second without torch, and its steps wait rather than compute, so that a test's load costs no CPU.
+SIMULATED = ("--simulate", "bundled-cpu", "--served-model-name", "tokenrelay-tiny")
 
 
 class Process:

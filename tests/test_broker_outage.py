@@ -19,14 +19,15 @@ import time
 import httpx
 import pytest
 
-from tests.processes import REPO, free_port, on_kafka
+from tests.processes import REPO, SIMULATED, free_port, on_kafka
 
 pytestmark = pytest.mark.kafka
 
 BROKER = str(REPO / "deploy" / "kafka" / "broker.sh")
 MODEL = "tokenrelay-tiny"
-BODY = {"text_input": "The following example", "parameters": {"max_new_tokens": 4}}
-STREAM_BODY = {"text_input": "The following example", "parameters": {"max_new_tokens": 200}}
+# Seeded: the worker is SIMULATED, whose tokens come from the seed (and the bundled model's steps take its time).
+BODY = {"text_input": "The following example", "parameters": {"max_new_tokens": 4, "seed": 1}}
+STREAM_BODY = {"text_input": "The following example", "parameters": {"max_new_tokens": 200, "seed": 1}}
 
 
 def _broker(command: str, port: int, directory) -> str:
@@ -50,7 +51,7 @@ async def test_a_broker_outage_under_load_ends_every_stream_and_service_resumes_
     data = tmp_path / "kafka"
     bootstrap = await asyncio.to_thread(_broker, "start", port, data)
     try:
-        with on_kafka(tmp_path, bootstrap) as (gateway, worker):
+        with on_kafka(tmp_path, bootstrap, worker_args=SIMULATED) as (gateway, worker):
             generate = gateway.url(f"/v2/models/{MODEL}/generate")
             async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
                 reference = (await client.post(generate, json=STREAM_BODY)).json()["text_output"]

@@ -289,14 +289,16 @@ def test_one_request_id_finds_a_request_in_the_gateways_and_the_workers_lines(de
     def lines(process: Process, *names: str) -> list[dict]:
         return [e for e in process.events() if e.get("request_id") == request_id and e["event"] in names]
 
-    access = lines(gateway, "http_request")
-    assert [(e["method"], e["route"], e["status"]) for e in access] == [("POST", "/v1/chat/completions", 200)]
-    # The worker logs a request's end once its last event is sent: maybe just after the client has its answer.
+    # Each process logs once it is done with the request: the gateway its access line once the answer is sent,
+    # the worker the request's end once its last event is: maybe a moment after the client has the answer.
     deadline = time.monotonic() + 10
-    while len(worker_lines := lines(deployment.worker, "request_admitted", "request_finished")) < 2:
-        if time.monotonic() > deadline:
+    while time.monotonic() < deadline:
+        access = lines(gateway, "http_request")
+        worker_lines = lines(deployment.worker, "request_admitted", "request_finished")
+        if access and len(worker_lines) >= 2:
             break
         time.sleep(0.05)
+    assert [(e["method"], e["route"], e["status"]) for e in access] == [("POST", "/v1/chat/completions", 200)]
     assert [e["event"] for e in worker_lines] == ["request_admitted", "request_finished"]
     assert {e["worker_id"] for e in worker_lines} == {WORKER_ID}
     generation = worker_lines[0]["generation_id"]

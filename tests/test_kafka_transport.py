@@ -1,7 +1,11 @@
 """Priority, deadlines, cancellation and back-pressure, end to end on a real Kafka broker.
 
 Each test starts its own gateway and worker (topics of their own) with the
-worker settings it needs, and drives them over HTTP on loopback. Bounds are
+worker settings it needs, and drives them over HTTP on loopback. The worker is
+the real worker and engine around the bundled model's stand-in (SIMULATED: its
+measured step times, tokens from each request's seed): what is tested is how
+requests and tokens travel, which a test's load would otherwise pay for in
+CPU that the machine's other tests need. Bounds are
 generous where a slow machine could miss them; the orders of magnitude asserted
 are the point (a priority-1 request waits a small fraction of what priority 5 does).
 """
@@ -17,7 +21,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.processes import Process, free_port, metric, on_kafka, spawn_tokenrelay, wait_ready
+from tests.processes import SIMULATED, Process, free_port, metric, on_kafka, spawn_tokenrelay, wait_ready
 
 pytestmark = pytest.mark.kafka
 
@@ -73,7 +77,7 @@ async def _wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 async def test_urgent_streams_overtake_200_background_streams_on_a_saturated_worker(kafka_bootstrap, tmp_path):
-    with on_kafka(tmp_path, kafka_bootstrap, worker_args=("--max-batch-size", "16")) as (gateway, worker):
+    with on_kafka(tmp_path, kafka_bootstrap, worker_args=(*SIMULATED, "--max-batch-size", "16")) as (gateway, worker):
         url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
         async with _client() as client:
             background = [_Stream() for _ in range(200)]
@@ -91,7 +95,7 @@ async def test_urgent_streams_overtake_200_background_streams_on_a_saturated_wor
 
 
 async def test_a_request_past_its_timeout_ends_with_the_documented_error_and_frees_its_slot(kafka_bootstrap, tmp_path):
-    with on_kafka(tmp_path, kafka_bootstrap, worker_args=("--max-batch-size", "2")) as (gateway, worker):
+    with on_kafka(tmp_path, kafka_bootstrap, worker_args=(*SIMULATED, "--max-batch-size", "2")) as (gateway, worker):
         stream_url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
         async with _client() as client:
             started = time.monotonic()
@@ -134,6 +138,7 @@ async def test_a_client_that_leaves_costs_at_most_one_more_step_and_a_cancelled_
     worker_metrics = f"http://127.0.0.1:{metrics_port}"
     # --max-iter-times: the busy request must outlast the 2 s before its stopInfer, at a few ms a token.
     worker_args = (
+        *SIMULATED,
         "--max-batch-size",
         "1",
         "--max-iter-times",
@@ -175,7 +180,10 @@ async def test_a_client_that_leaves_costs_at_most_one_more_step_and_a_cancelled_
 
 
 async def test_past_its_in_flight_limit_a_gateway_answers_429_with_retry_after(kafka_bootstrap, tmp_path):
-    with on_kafka(tmp_path, kafka_bootstrap, gateway_args=("--max-in-flight", "2")) as (gateway, worker):
+    with on_kafka(tmp_path, kafka_bootstrap, worker_args=SIMULATED, gateway_args=("--max-in-flight", "2")) as (
+        gateway,
+        worker,
+    ):
         stream_url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
         async with _client() as client:
             first, second = _Stream(), _Stream()
@@ -193,15 +201,16 @@ async def test_past_its_in_flight_limit_a_gateway_answers_429_with_retry_after(k
 async def test_a_gateway_that_dies_mid_stream_frees_the_workers_slots_within_10_s(kafka_bootstrap, tmp_path):
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", f"t{uuid.uuid4().hex[:10]}"]
     port = free_port()
-    worker = spawn_tokenrelay(["worker", *kafka], tmp_path / "worker.log")
+    # 8 x 4000 tokens: longer than the 10 s allowed, at a few ms a step
+    worker = spawn_tokenrelay(["worker", *kafka, *SIMULATED, "--max-iter-times", "4000"], tmp_path / "worker.log")
     gateway = spawn_tokenrelay(["gateway", "--port", str(port), *kafka], tmp_path / "gateway.log")
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, MODEL, [worker, gateway])
         url = f"{base_url}/v2/models/{MODEL}/generate_stream"
         async with _client() as client:
-            streams = [_Stream() for _ in range(8)]  # 8 x 500 tokens: longer than the 10 s allowed
-            running = [asyncio.create_task(s.run(client, url, _body(500))) for s in streams]
+            streams = [_Stream() for _ in range(8)]
+            running = [asyncio.create_task(s.run(client, url, _body(4000))) for s in streams]
             while not all(s.event_times for s in streams):
                 await asyncio.sleep(0.05)
             gateway.popen.kill()  # no goodbye: its heartbeats just stop
@@ -210,7 +219,7 @@ async def test_a_gateway_that_dies_mid_stream_frees_the_workers_slots_within_10_
             await _wait_for(lambda: len(worker.events_named("request_finished")) == 8, 10, "the slots to be freed")
         assert time.monotonic() - killed_at < 10
         finished = worker.events_named("request_finished")
-        assert all(f["finish_reason"] == "stop_sequence" and f["generated_tokens"] < 500 for f in finished)
+        assert all(f["finish_reason"] == "stop_sequence" and f["generated_tokens"] < 4000 for f in finished)
         assert {c["reason"] for c in worker.events_named("request_cancel_received")} == {"gateway gone"}
     finally:
         gateway.stop()
@@ -219,7 +228,7 @@ async def test_a_gateway_that_dies_mid_stream_frees_the_workers_slots_within_10_
 
 def test_a_request_over_kafkas_default_message_size_crosses_and_one_over_the_limit_is_413(kafka_bootstrap, tmp_path):
     limit = ("--max-message-bytes", "2000000")
-    with on_kafka(tmp_path, kafka_bootstrap, worker_args=limit, gateway_args=limit) as (gateway, worker):
+    with on_kafka(tmp_path, kafka_bootstrap, worker_args=(*SIMULATED, *limit), gateway_args=limit) as (gateway, worker):
         url = f"{gateway.base_url}/v2/models/{MODEL}/generate_stream"
         # 1.5 MB of text, within the route's 4 MB: past Kafka's default 1 MB message (which the producer
         # refused with a 503 before), it reaches the worker, which finds it too long for the model (424).

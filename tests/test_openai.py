@@ -20,8 +20,6 @@ from gateway.tool_calls import calls_in
 from schemas.openai import ChatCompletionRequest
 from tests.reference import bundled
 
-pytestmark = pytest.mark.xdist_group("compat_server")  # under -n, on the worker that runs it
-
 MODEL = "tokenrelay-tiny"
 PROMPT = "The following example"  # greedy: no EOS for hundreds of tokens
 

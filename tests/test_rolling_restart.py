@@ -10,15 +10,13 @@ import asyncio
 
 import pytest
 
+from tests.processes import SIMULATED
 from tokenrelay.bench.chaos import FAILURES
 from tokenrelay.bench.rolling import run_rolling, start_fleet
 
 pytestmark = pytest.mark.kafka
 
-DRAIN_TIMEOUT_S = 30.0
-# The real workers and engines around simulated models (steps take the bundled model's CPU time; seeded tokens):
-# six workers start in seconds, not a minute of loading torch on two cores.
-SIMULATED = ["--simulate", "bundled-cpu", "--served-model-name", "tokenrelay-tiny"]
+DRAIN_TIMEOUT_S = 30.0  # its workers are SIMULATED: six of them start in seconds, not a minute of loading torch
 
 
 def test_a_rolling_restart_under_load_loses_nothing(kafka_bootstrap, topic_prefix, tmp_path):
@@ -26,7 +24,13 @@ def test_a_rolling_restart_under_load_loses_nothing(kafka_bootstrap, topic_prefi
     The first worker gets a second SIGTERM half a second later: its streams are handed over mid-way."""
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
     fleet = start_fleet(
-        kafka, tmp_path, gateways=2, workers=3, drain_timeout_s=DRAIN_TIMEOUT_S, spares=True, worker_args=SIMULATED
+        kafka,
+        tmp_path,
+        gateways=2,
+        workers=3,
+        drain_timeout_s=DRAIN_TIMEOUT_S,
+        spares=True,
+        worker_args=list(SIMULATED),
     )
     try:
         result = asyncio.run(run_rolling(fleet, concurrency=6, hang_after_s=60))

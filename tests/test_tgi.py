@@ -17,8 +17,6 @@ from huggingface_hub import InferenceClient
 
 from tests.reference import bundled
 
-pytestmark = pytest.mark.xdist_group("compat_server")  # under -n, on the worker that runs it
-
 MODEL = "tokenrelay-tiny"
 PROMPT = "The following example"  # greedy: no EOS for hundreds of tokens
 
