@@ -37,11 +37,12 @@ def prompt_bytes(request: GenerationRequest) -> bytes:
     return (request.prompt_text or "").encode()
 
 
-def prefix_hashes(request: GenerationRequest) -> list[int]:
-    """One hash per whole CHUNK_BYTES of the prompt; none when the prompt is truncated from the left."""
+def prefix_hashes(request: GenerationRequest, data: bytes | None = None) -> list[int]:
+    """One hash per whole CHUNK_BYTES of the prompt; none when the prompt is truncated from the left. `data`: its
+    prompt_bytes, where the caller has them already (they hash each image)."""
     if request.truncate is not None:
         return []  # its kept tokens are the last ones: no prefix to name
-    data = prompt_bytes(request)
+    data = prompt_bytes(request) if data is None else data
     hashes, previous = [], b""
     for end in range(CHUNK_BYTES, len(data) + 1, CHUNK_BYTES):
         previous = hashlib.blake2b(previous + data[end - CHUNK_BYTES : end], digest_size=6).digest()

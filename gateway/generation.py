@@ -22,10 +22,9 @@ from gateway.errors import ApiError
 from gateway.grammars import grammar_parameter
 from gateway.inflight import InFlight
 from gateway.service import GatewayService
-from schemas.messages import FinishReason, ServedModel, TokenEvent
+from schemas.messages import GENERATION_ERROR, FinishReason, ServedModel, TokenEvent
 from schemas.parameters import RouteParameters
 
-GENERATION_ERROR = "Generation Error"
 CLIENT_CLOSED_REQUEST = "Client Closed Request"  # 499, as nginx calls it: nobody reads the answer
 DISCONNECT_POLL_S = 0.1  # how often a request waiting for its worker checks that its client is still there
 

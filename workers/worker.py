@@ -493,6 +493,7 @@ class Worker:
 
 def engine_request(request: GenerationRequest) -> EngineRequest:
     """The engine's request for one from the bus, its prompt's prefixes named as routers name them."""
+    data = prompt_bytes(request)
     return EngineRequest(
         request_id=request.request_id,
         sampling=request.sampling,
@@ -509,5 +510,5 @@ def engine_request(request: GenerationRequest) -> EngineRequest:
         truncate=request.truncate,
         tokens_before=request.tokens_before,
         generated_token_ids=tuple(request.generated_token_ids),
-        prefixes=PromptPrefixes(tuple(prefix_hashes(request)), len(prompt_bytes(request)), CHUNK_BYTES),
+        prefixes=PromptPrefixes(tuple(prefix_hashes(request, data)), len(data), CHUNK_BYTES),
     )
