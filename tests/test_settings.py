@@ -133,7 +133,7 @@ def test_each_command_s_settings_hold_its_parts_only():
     worker = settings_from(["worker", *KAFKA, "--kafka-session-timeout-ms", "9000"], {})
     assert worker.server is worker.gateway is None and worker.bus.session_timeout_ms == 9000
     simulate = settings_from(["simulate", *KAFKA, "--workers", "3"], {})
-    assert simulate.workers == 3 and simulate.model.simulate == "bundled-cpu"
+    assert simulate.workers == 3 and simulate.model.simulate.name == "bundled-cpu"
     assert simulate.model.served_names == ("bundled-cpu",) and simulate.engine.kv_cache_bytes is None
 
 

@@ -30,6 +30,7 @@ from tokenrelay.lifecycle import CannotStart
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
 from workers.engine.config import EngineConfig
 from workers.settings import ModelSettings, WorkerSettings
+from workers.simulated.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -144,13 +145,11 @@ def _worker(args: argparse.Namespace) -> WorkerSettings:
 def _model(args: argparse.Namespace) -> ModelSettings:
     names = tuple(args.served_model_name or ())
     if getattr(args, "simulate", ""):
-        from workers.simulated.profile import Profile
-
         try:
             profile = Profile.load(args.simulate)
         except ValueError as error:
             raise CannotStart(f"--simulate: {error}") from None
-        return ModelSettings(served_names=names or (profile.name,), simulate=args.simulate)
+        return ModelSettings(served_names=names or (profile.name,), simulate=profile)
     path, name = args.model, args.model
     if args.model == str(BUNDLED_MODEL) and args.vision:
         path, name = str(BUNDLED_VISION_MODEL), BUNDLED_VISION_MODEL_NAME

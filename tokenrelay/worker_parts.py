@@ -33,11 +33,10 @@ def build_worker(model: ModelSettings, engine: EngineConfig, worker: WorkerSetti
 
 def engine_parts(model: ModelSettings, engine: EngineConfig) -> tuple[Model, EngineConfig]:
     """What a worker's engine runs: the model (loaded, or simulated) and the engine's config for it."""
-    if model.simulate:
+    if model.simulate is not None:
         from workers.simulated.model import SimulatedModel
-        from workers.simulated.profile import Profile
 
-        simulated = SimulatedModel(Profile.load(model.simulate))  # settings_of found it
+        simulated = SimulatedModel(model.simulate)
         return simulated, simulated.engine_config(engine)
     path = model.path
     if path.startswith(("/", ".")) and not Path(path).exists():

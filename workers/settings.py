@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.simulated.profile import Profile
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -27,4 +29,4 @@ class ModelSettings:
     path: str = ""  # a Hugging Face model directory or hub id
     device: str = "auto"  # auto (CUDA if available), cpu, cuda or cuda:N
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on the CPU
-    simulate: str = ""  # a step-time profile (workers/simulated/) to run instead: no weights, no torch
+    simulate: Profile | None = None  # a step-time profile (workers/simulated/) to run instead: no weights, no torch
