@@ -80,15 +80,17 @@ async def test_urgent_streams_overtake_200_background_streams_on_a_saturated_wor
     with on_kafka(tmp_path, kafka_bootstrap, worker_args=(*SIMULATED, "--max-batch-size", "16")) as (gateway, worker):
         url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
         async with _client() as client:
+            # 160 tokens each: at a simulated step's few ms, a background wave lasts about a second, long beside
+            # what the HTTP and Kafka hops cost an urgent request on a busy machine.
             background = [_Stream() for _ in range(200)]
-            running = [asyncio.create_task(s.run(client, url, _body(48, priority=5))) for s in background]
+            running = [asyncio.create_task(s.run(client, url, _body(160, priority=5))) for s in background]
             while sum(bool(s.event_times) for s in background) < 16:  # the worker is full
                 await asyncio.sleep(0.05)
             urgent = [_Stream() for _ in range(20)]
-            running += [asyncio.create_task(s.run(client, url, _body(48, priority=1))) for s in urgent]
+            running += [asyncio.create_task(s.run(client, url, _body(160, priority=1))) for s in urgent]
             await asyncio.wait_for(asyncio.gather(*running), timeout=240)
     for stream in background + urgent:
-        assert stream.status == 200 and len(stream.events) == 48, stream.events[-1:]
+        assert stream.status == 200 and len(stream.events) == 160, stream.events[-1:]
     background_median = statistics.median(s.time_to_first_event for s in background)
     urgent_median = statistics.median(s.time_to_first_event for s in urgent)
     assert urgent_median < background_median / 10, (urgent_median, background_median)
@@ -186,8 +188,8 @@ async def test_past_its_in_flight_limit_a_gateway_answers_429_with_retry_after(k
     ):
         stream_url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
         async with _client() as client:
-            first, second = _Stream(), _Stream()
-            streams = [asyncio.create_task(s.run(client, stream_url, _body(60))) for s in (first, second)]
+            first, second = _Stream(), _Stream()  # 500 tokens: seconds, at a simulated step's few ms
+            streams = [asyncio.create_task(s.run(client, stream_url, _body(500))) for s in (first, second)]
             while not (first.event_times and second.event_times):
                 await asyncio.sleep(0.05)
             refused = await client.post(gateway.url(f"/v2/models/{MODEL}/generate"), json=_body(4))
