@@ -94,12 +94,18 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
+Task = Literal["generate", "tokenize", "detokenize", "embed"]
+
+
 class GenerationRequest(_Message):
     """A request for a worker: published to the topic of its model and priority."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
 
     kind: Literal["generate"] = "generate"
+    # What the worker does with the prompt: generate from it (sampling), or only tokenize it, decode its token
+    # ids back to text, or compute its embedding (a prefill whose pooled hidden state is the answer).
+    task: Task = "generate"
     request_id: str  # unique per generation, assigned by the gateway (logged as generation_id)
     # The request id (X-Request-Id) of the HTTP request or WebSocket stream it came from, which several
     # generations (OpenAI's n) share: logged as request_id, so that one grep finds a request's every line.

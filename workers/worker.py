@@ -499,6 +499,7 @@ def engine_request(request: GenerationRequest) -> EngineRequest:
         sampling=request.sampling,
         deadline=request.deadline,
         model=request.model,
+        task=request.task,
         attempt=request.attempt,
         priority=request.priority,
         prompt_text=request.prompt_text,

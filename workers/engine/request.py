@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.messages import ChatMessage, ContentPart, SamplingParams
+from schemas.messages import ChatMessage, ContentPart, SamplingParams, Task
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class EngineRequest:
     sampling: SamplingParams
     deadline: float  # unix time after which nobody waits for it: it ends with a timeout
     model: str = ""  # the name it was asked by, for its error messages
+    task: Task = "generate"  # or only tokenize, detokenize, or embed the prompt (schemas/messages.py)
     attempt: int = 0  # echoed on its events: the gateway drops those of an attempt it gave up
     priority: int = 5  # 1 most urgent
     # The prompt: exactly one of these four.
