@@ -44,6 +44,7 @@ from schemas.messages import (
     ServedModel,
     StopAnswer,
     StopClientRequest,
+    Task,
     TokenEvents,
     WorkerHeartbeat,
     WorkerLoad,
@@ -258,15 +259,18 @@ class GatewayService:
         timeout_s: int | None = None,
         tokens_before: int = 0,
         client_id: str | None = None,
+        task: Task = "generate",
     ) -> InFlight:
         """Publish a request for the model's workers; its events arrive on the returned InFlight.
 
-        `client_id` is the id the client gave (stopInfer finds the request by it).
+        `client_id` is the id the client gave (stopInfer finds the request by it); `task` what the worker does
+        with the prompt (schemas/messages.py).
         """
         now = time.time()
         generation_id = uuid.uuid4().hex
         trace_id = current_request_id() or generation_id
         request = GenerationRequest(
+            task=task,
             request_id=generation_id,
             trace_id=trace_id,
             model=model.name,
