@@ -14,9 +14,19 @@ temperature, penalties and filtering (vLLM's default).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from schemas.messages import ChatMessage, ImagePart, SamplingParams, TokenInfo
 from schemas.messages import TextPart as WireTextPart
@@ -27,6 +37,26 @@ from schemas.parameters import BODY, INT32_MAX
 SEED_MAX = 2**63 - 1
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # JSON object keys are strings
 MAX_CHOICES = 16  # each choice is a request of its own to a worker
+MAX_PROMPTS = 256  # prompts in one completions request, as many of vLLM's evaluation clients batch them
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _prompt_form(prompt: Any) -> str:
+    """Which of OpenAI's four prompt forms a value is meant as, from its shape: its errors are then that form's."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return "texts"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return "token arrays"
+    return "text" if isinstance(prompt, str) else "token ids"
+
+
+PromptForms = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Tag("texts")]
+    | Annotated[list[TokenId], Tag("token ids")]
+    | Annotated[list[list[TokenId]], Tag("token arrays")],
+    Discriminator(_prompt_form),
+]
 
 
 class StreamOptions(BaseModel):
@@ -62,7 +92,6 @@ class _Sampling(BaseModel):
     model_config = BODY
 
     model: str = Field(description="A served model name (GET /v1/models).")
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Default: the server's maxIterTimes.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy; default 1.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default 1.")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices, sampled apart (seeds derived from `seed`).")
@@ -138,6 +167,11 @@ class _Sampling(BaseModel):
         return None
 
     @property
+    def scores_only(self) -> bool:
+        """Nothing generated is answered: only the prompt, scored."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -149,16 +183,38 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] = Field(description="Text, token ids, or a list of one text.")
+    prompt: PromptForms = Field(
+        description=f"A text, texts, token ids, or arrays of token ids: up to {MAX_PROMPTS} prompts, each with its "
+        "own n choices."
+    )
     logprobs: int | None = Field(None, ge=0, le=5, description="Log-probabilities, with this many alternatives.")
     echo: bool = Field(False, description="The prompt comes first in the text (and in logprobs).")
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=INT32_MAX,
+        description="Default: the server's maxIterTimes. 0 only with echo: the prompt alone, scored (logprobs).",
+    )
 
     @property
-    def prompt_text(self) -> str | None:
-        """The prompt as text, when it was given as text."""
-        if isinstance(self.prompt, str):
-            return self.prompt
-        return self.prompt[0] if isinstance(self.prompt[0], str) else None
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, as text or as token ids: its choices are requests of their own."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def prompts_are_text(self) -> bool:
+        return isinstance(self.prompts[0], str)
+
+    @property
+    def scores_only(self) -> bool:
+        """The legacy scoring call (echo, max_tokens 0): the prompt's log-probabilities, nothing generated."""
+        return self.max_tokens == 0
+
+    def max_new_tokens(self, max_iter_times: int) -> int:
+        """One token for a scoring call, which a prompt's scores come with and the answer leaves out."""
+        return 1 if self.scores_only else super().max_new_tokens(max_iter_times)
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -169,16 +225,42 @@ class CompletionRequest(_Sampling):
         """With echo: the prompt's tokens when log-probabilities are asked for, or when only they give its text."""
         if not self.echo:
             return None
-        return self.logprobs if self.logprobs is not None else (0 if self.prompt_text is None else None)
+        return self.logprobs if self.logprobs is not None else (None if self.prompts_are_text else 0)
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _in_its_form(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> str | list:
+        """A prompt's errors in its form's terms, where in it they are ("0.3": the first prompt's fourth id)."""
+        try:
+            return handler(prompt)
+        except ValidationError as error:
+            wrong = error.errors()[0]
+            where = ".".join(str(part) for part in wrong["loc"][1:])
+            received = wrong["input"] if not isinstance(wrong["input"], dict | list) else type(wrong["input"]).__name__
+            raise ValueError(
+                f"{'item ' + where + ': ' if where else ''}{wrong['msg']}; received {received!r} "
+                f"(a prompt is a text, texts, token ids or arrays of token ids)"
+            ) from None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+    def _prompts(cls, prompt: str | list) -> str | list:
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
-            raise ValueError(f"one prompt per request is served; received {len(prompt)}")
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request are served; received {len(prompt)}")
+            empty = next((i for i, tokens in enumerate(prompt) if isinstance(tokens, list) and not tokens), None)
+            if empty is not None:
+                raise ValueError(f"prompt {empty} has no token ids")
         return prompt
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _scoring_echoes(cls, max_tokens: int | None, info: ValidationInfo) -> int | None:
+        if max_tokens == 0 and not info.data.get("echo"):
+            raise ValueError("0 is served with echo only (the prompt's log-probabilities alone); otherwise at least 1")
+        return max_tokens
 
 
 class TextPart(BaseModel):
@@ -246,6 +328,7 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Default: the server's maxIterTimes.")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Wins over max_tokens.")
     logprobs: bool = Field(False, description="Each token's log-probability.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: this many alternatives.")

@@ -61,6 +61,87 @@ def test_completions_non_stream_and_stream_equal_the_native_greedy_text(server, 
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_completions_take_each_prompt_form_openai_documents(client):
+    ids = bundled().tokenizer(PROMPT)["input_ids"]
+    ask = dict(model=MODEL, max_tokens=8, temperature=0)
+    alone = client.completions.create(prompt=PROMPT, **ask)
+    for form in ([PROMPT], ids, [ids]):
+        done = client.completions.create(prompt=form, **ask)
+        assert [c.text for c in done.choices] == [alone.choices[0].text], form
+        assert done.usage == alone.usage
+    other = "Every module"
+    two = client.completions.create(prompt=[ids, bundled().tokenizer(other)["input_ids"]], **ask)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [
+        alone.choices[0].text,
+        client.completions.create(prompt=other, **ask).choices[0].text,
+    ]
+    assert two.usage.prompt_tokens == len(ids) + len(bundled().tokenizer(other)["input_ids"])
+    assert two.usage.completion_tokens == 16
+
+
+BATCH = ["The following example", "Every module", "A request"]
+
+
+def test_a_batch_of_prompts_with_n_equals_the_single_requests_prompt_major(client):
+    ask = dict(model=MODEL, max_tokens=6, temperature=0.9, seed=7, n=2, extra_body={"ignore_eos": True})
+    singles = [client.completions.create(prompt=prompt, **ask) for prompt in BATCH]
+    expected = [choice.text for single in singles for choice in single.choices]
+    assert len(set(expected)) > 3  # sampled apart: the comparison below tells the choices' places apart
+
+    done = client.completions.create(prompt=BATCH, **ask)
+    assert [c.index for c in done.choices] == list(range(6))
+    assert [c.text for c in done.choices] == expected
+    assert done.usage.prompt_tokens == sum(single.usage.prompt_tokens for single in singles)
+    assert done.usage.completion_tokens == 36
+
+    chunks = list(client.completions.create(prompt=BATCH, stream=True, stream_options={"include_usage": True}, **ask))
+    texts = [""] * 6
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == expected
+    assert chunks[-1].usage == done.usage
+
+
+def test_echo_with_max_tokens_0_scores_the_prompts_alone(client):
+    """The legacy scoring call of evaluation clients: each prompt's log-probabilities, nothing generated."""
+    prompts = [bundled().tokenizer(text)["input_ids"] for text in BATCH[:2]]
+    done = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert done.usage.completion_tokens == 0
+    assert done.usage.prompt_tokens == sum(map(len, prompts))
+    decode = bundled().tokenizer.decode
+    for choice, prompt in zip(done.choices, prompts, strict=True):
+        _, expected = _reference_logprobs(prompt, 1)
+        assert choice.logprobs.tokens == [decode([t]) for t in prompt] and choice.text == "".join(
+            choice.logprobs.tokens
+        )
+        assert choice.logprobs.token_logprobs[0] is None
+        for position in range(1, len(prompt)):
+            assert choice.logprobs.token_logprobs[position] == pytest.approx(
+                expected[position - 1, prompt[position]].item(), abs=1e-4
+            )
+        assert choice.finish_reason == "length"
+    text = client.completions.create(model=MODEL, prompt=BATCH[0], max_tokens=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in text if c.choices) == BATCH[0]
+
+
+def test_completion_prompt_forms_out_of_bounds_are_400s_naming_prompt(server):
+    def refused(prompt, **more) -> dict:
+        answer = httpx.post(server.url("/v1/completions"), json={"model": MODEL, "prompt": prompt, **more}, timeout=10)
+        assert answer.status_code == 400, answer.text
+        return answer.json()["error"]
+
+    many = refused(["x"] * 257)
+    assert many["param"] == "prompt" and "at most 256 prompts per request" in many["message"]
+    negative = refused([[1, 2], [3, -1]])
+    assert (
+        negative["param"] == "prompt" and "item 1.1: Input should be greater than or equal to 0" in negative["message"]
+    )
+    assert "prompt 1 has no token ids" in refused([[1], []])["message"]
+    assert refused("x", max_tokens=0)["param"] == "max_tokens"
+
+
 def test_a_stop_string_ends_the_text_before_it_with_finish_reason_stop(server, client):
     expected = _native(server, PROMPT, 30)
     stop = expected[10:14]

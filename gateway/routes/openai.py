@@ -19,6 +19,7 @@ from starlette.requests import HTTPConnection
 
 from gateway.access_log import current_request_id
 from gateway.errors import openai_error_body, unprocessable
+from gateway.generation import Completion as Answer
 from gateway.generation import check_prompt_tokens, complete_all, sse_response, start_each, streams
 from gateway.grammars import json_object_grammar, json_schema_grammar
 from gateway.inflight import InFlight
@@ -65,36 +66,44 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     )
 
 
+def _answers_usage(body: CompletionRequest | ChatCompletionRequest, answers: list[Answer]) -> Usage:
+    """Each prompt's tokens once (its choices' first answer counts them), and every choice's generated tokens."""
+    generated = 0 if body.scores_only else sum(len(done.token_ids) for done in answers)
+    return _usage(sum(done.prompt_tokens for done in answers[:: body.n]), generated)
+
+
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # choice i draws with seed + i x this: apart, and choice 0 as n=1 draws
 
 
 async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatCompletionRequest) -> list[InFlight]:
-    """One request per choice (`n`), seeds derived from the request's; their prompts' twins wait for the first's
-    KV in a worker's prefix cache (workers/engine/scheduler.py)."""
+    """One request per choice (`n`) of each prompt, prompt-major as OpenAI orders the choices, each prompt's
+    seeds derived from the request's as a request of that prompt alone derives them; a prompt's twins wait for
+    the first's KV in a worker's prefix cache (workers/engine/scheduler.py)."""
     service: GatewayService = connection.app.state.gateway
     model = service.resolve(body.model)
     outside = [token for token in body.logit_bias or {} if int(token) >= model.vocab_size]
     if outside:
         raise unprocessable(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model.vocab_size})")
-    prompt: dict = {}
     grammar = _grammar(body)
     if isinstance(body, ChatCompletionRequest):
         prompt = await chat_prompt(body.messages, model, connection.app.state.media)
         if body.calls_tools != "none":
             prompt["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
             grammar = grammar or tools_grammar(body)
-    elif isinstance(body.prompt, str) or isinstance(body.prompt[0], str):
-        prompt["prompt_text"] = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        prompts = [prompt]
     else:
-        check_prompt_tokens(model, body.prompt)
-        prompt["prompt_token_ids"] = body.prompt
+        for token_ids in body.prompts if not body.prompts_are_text else ():
+            check_prompt_tokens(model, token_ids)
+        field = "prompt_text" if body.prompts_are_text else "prompt_token_ids"
+        prompts = [{field: prompt} for prompt in body.prompts]
     sampling = body.sampling(service.draw_seed(), model.max_iter_times, grammar)
 
     def choice(which: int) -> Awaitable[InFlight]:
-        seed = (sampling.seed + which * _SEED_STRIDE) % 2**64
-        return service.submit(model, sampling.model_copy(update={"seed": seed}), priority=body.priority, **prompt)
+        prompt, nth = divmod(which, body.n)
+        seeded = sampling.model_copy(update={"seed": (sampling.seed + nth * _SEED_STRIDE) % 2**64})
+        return service.submit(model, seeded, priority=body.priority, **prompts[prompt])
 
-    return await start_each(service, body.n, choice)
+    return await start_each(service, len(prompts) * body.n, choice)
 
 
 def _grammar(body: CompletionRequest | ChatCompletionRequest) -> str | None:
@@ -121,11 +130,15 @@ async def _chunks(
     events = await streams(service, inflights, connection)
 
     async def chunks() -> AsyncIterator[dict]:
-        prompt_tokens, generated, opened = 0, 0, set()
+        prompt_tokens: dict[int, int] = {}  # prompt -> its tokens, as the first event of one of its choices says
+        generated, opened = 0, set()
+
+        def usage() -> dict:
+            return _usage(sum(prompt_tokens.values()), generated).model_dump()
 
         def counted(chunk: dict) -> dict:
             if body.continuous_usage:
-                chunk["usage"] = _usage(prompt_tokens, generated).model_dump()
+                chunk["usage"] = usage()
             return chunk
 
         async with aclosing(events):
@@ -133,14 +146,15 @@ async def _chunks(
                 if event.error is not None:
                     yield openai_error_body(event.error.status, event.error.error_type, event.error.message)
                     return
-                prompt_tokens = event.prompt_tokens or prompt_tokens
+                if event.prompt_tokens:
+                    prompt_tokens[choice // body.n] = event.prompt_tokens
                 if opening is not None and choice not in opened:  # once the first event tells the prompt's length
                     opened.add(choice)
                     yield counted(opening(choice))
-                generated += len(event.token_ids)
+                generated += 0 if body.scores_only else len(event.token_ids)
                 yield counted(render(choice, event))
         if body.include_usage:
-            yield render(None, None) | {"choices": [], "usage": _usage(prompt_tokens, generated).model_dump()}
+            yield render(None, None) | {"choices": [], "usage": usage()}
 
     return chunks()
 
@@ -158,10 +172,12 @@ def _with_done(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 class _CompletionText:
-    """A completion's text and log-probabilities, events at a time; with echo the prompt comes first."""
+    """A completion's text and log-probabilities, events at a time; with echo its prompt comes first (and, for
+    a scoring call, alone)."""
 
-    def __init__(self, body: CompletionRequest) -> None:
+    def __init__(self, body: CompletionRequest, prompt: str | list[int]) -> None:
         self._body = body
+        self._given = prompt if isinstance(prompt, str) else None  # the prompt's text as the client wrote it
         self._offset = 0  # where the next token starts in the choice's text
         self._started = False
 
@@ -170,12 +186,12 @@ class _CompletionText:
         for event in events:
             if self._body.echo and not self._started:
                 prompt = event.prompt or []
-                given = self._body.prompt_text
-                text += given if given is not None else "".join(token.text for token in prompt)
+                text += self._given if self._given is not None else "".join(token.text for token in prompt)
                 infos += prompt if self._body.logprobs is not None else []
             self._started = True
-            text += event.text
-            infos += event.logprobs or []
+            if not self._body.scores_only:
+                text += event.text
+                infos += event.logprobs or []
         if self._body.logprobs is None:
             return text, None
         logprobs = CompletionLogprobs.of(infos, self._offset)
@@ -192,7 +208,7 @@ async def completion_chunks(connection: HTTPConnection, body: CompletionRequest)
     """A streamed completion's chunks (also what the WebSocket sends)."""
     inflights = await _submit(connection, body)
     completion_id, created = _answer_id("cmpl"), int(time.time())
-    pieces = [_CompletionText(body) for _ in inflights]
+    pieces = [_CompletionText(body, body.prompts[which // body.n]) for which in range(len(inflights))]
 
     def chunk(choice: int | None, event: TokenEvent | None) -> dict:
         choices = []
@@ -285,10 +301,10 @@ async def completions(body: CompletionRequest, request: Request):
     answers = await complete_all(request.app.state.gateway, inflights, request)
     choices = []
     for index, done in enumerate(answers):
-        text, logprobs = _CompletionText(body).of(done.events)
+        text, logprobs = _CompletionText(body, body.prompts[index // body.n]).of(done.events)
         finish = _finish_reason(done.finish_reason)
         choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish))
-    usage = _usage(answers[0].prompt_tokens, sum(len(done.token_ids) for done in answers))
+    usage = _answers_usage(body, answers)
     return Completion(id=completion_id, created=created, model=body.model, choices=choices, usage=usage)
 
 
@@ -320,8 +336,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 finish_reason="tool_calls" if calls and finish == "stop" else finish,
             )
         )
-    usage = _usage(answers[0].prompt_tokens, sum(len(done.token_ids) for done in answers))
-    return ChatCompletion(id=completion_id, created=created, model=body.model, choices=choices, usage=usage)
+    return ChatCompletion(
+        id=completion_id, created=created, model=body.model, choices=choices, usage=_answers_usage(body, answers)
+    )
 
 
 @router.get("/v1/models", response_model=ModelList)
