@@ -243,7 +243,7 @@ class ModelMetadata(BaseModel):
     """GET /v2/models/{model}, as KServe v2 describes a model."""
 
     name: str
-    versions: list[str] = Field([], description="None: /versions/{version} paths are not served.")
+    versions: list[str] = Field([], description="Empty: /versions/{version} paths are not served.")
     platform: str = PLATFORM
     inputs: list[TensorMetadata] = [TensorMetadata(name="input0")]
     outputs: list[TensorMetadata] = [TensorMetadata(name=DEFAULT_OUTPUT)]
