@@ -18,14 +18,17 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 
+from schemas.triton import InferRequest
 from tests.processes import on_kafka
 from tests.test_api_errors import in_process_gateway
+from tests.test_api_examples import _stream
 from tests.test_gateway_state import _heartbeat
 
 MODEL = "tokenrelay-tiny"
 PROMPT_IDS = [1, 415, 3497, 4597, 5312, 28713]
 NEW_TOKENS = 8
 INFER = f"/v2/models/{MODEL}/infer"
+TENSOR = {"name": "input0", "shape": [1], "datatype": "UINT32", "data": [5]}
 
 
 @pytest.fixture(scope="module", params=["serve", pytest.param("kafka", marks=pytest.mark.kafka)])
@@ -48,9 +51,10 @@ def client(base_url):
     client.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def json_ids(base_url) -> list[int]:
-    """What the plain JSON infer answers (no binary data, no KServe parameters) for the greedy request."""
+    """What the plain JSON infer answers (no binary data, no KServe parameters) for the greedy request: the ids
+    /infer_token streams for it."""
     body = {
         "inputs": [{"name": "input0", "shape": [1, len(PROMPT_IDS)], "datatype": "UINT32", "data": PROMPT_IDS}],
         "outputs": [{"name": "output0"}],
@@ -60,6 +64,12 @@ def json_ids(base_url) -> list[int]:
     assert answer.status_code == 200, answer.text
     ids = answer.json()["outputs"][0]["data"]
     assert len(ids) == NEW_TOKENS and len(set(ids)) > 1, ids  # a real generation, not a constant
+    streamed = _stream(
+        base_url + "/infer_token",
+        {"input_id": PROMPT_IDS, "stream": True, "parameters": {"max_new_tokens": NEW_TOKENS}},
+        prefix="data: ",
+    )
+    assert [token_id for event in streamed for token_id in event["token"]["id"]] == ids
     return ids
 
 
@@ -122,13 +132,9 @@ def test_metadata_and_configuration(client):
 
 def test_a_binary_answer_is_framed_as_triton_frames_it(base_url, json_ids):
     """The bytes themselves, without the client: header length, content type, little-endian ids."""
-    header = json.dumps(
-        {
-            "inputs": [_binary_input(len(PROMPT_IDS))],
-            "outputs": [{"name": "output0", "parameters": {"binary_data": True}}],
-            "parameters": {"max_new_tokens": NEW_TOKENS},
-        }
-    ).encode()
+    tensor = _binary_input(len(PROMPT_IDS))
+    tensor["parameters"]["max_new_tokens"] = NEW_TOKENS  # MindIE's sampling parameters may sit beside it
+    header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
     body = header + struct.pack(f"<{len(PROMPT_IDS)}I", *PROMPT_IDS)
     answer = httpx.post(base_url + INFER, content=body, headers={"Inference-Header-Content-Length": str(len(header))})
     assert answer.status_code == 200, answer.text
@@ -141,6 +147,24 @@ def test_a_binary_answer_is_framed_as_triton_frames_it(base_url, json_ids):
 def _binary_input(ids: int, size: int | None = None) -> dict:
     size = 4 * ids if size is None else size
     return {"name": "input0", "shape": [1, ids], "datatype": "UINT32", "parameters": {"binary_data_size": size}}
+
+
+@pytest.mark.parametrize(
+    ("output_parameters", "request_parameters", "binary"),
+    [
+        (None, None, False),
+        (None, {"binary_data_output": True}, True),
+        ({"binary_data": False}, {"binary_data_output": True}, False),
+        ({"binary_data": True}, {"binary_data_output": False}, True),
+        ({}, {"seed": 3}, False),
+    ],
+)
+def test_an_outputs_own_binary_data_wins_over_binary_data_output(output_parameters, request_parameters, binary):
+    output = {"name": "output0"} if output_parameters is None else {"name": "o", "parameters": output_parameters}
+    body = {"inputs": [TENSOR], "outputs": [output]}
+    if request_parameters is not None:
+        body["parameters"] = request_parameters
+    assert InferRequest.model_validate(body).binary_output is binary
 
 
 @pytest.fixture(scope="module")
@@ -214,9 +238,6 @@ def test_a_binary_body_that_does_not_add_up_is_refused_saying_why(gateway, heade
     answer = gateway.post("/v2/models/tiny/infer", content=body, headers=headers)
     assert answer.status_code == status and error in answer.json()["error"], answer.text
     assert answer.json()["error_type"] == "Input Validation Error"
-
-
-TENSOR = {"name": "input0", "shape": [1], "datatype": "UINT32", "data": [5]}
 
 
 @pytest.mark.parametrize(
