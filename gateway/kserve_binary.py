@@ -20,6 +20,7 @@ says so, as Triton answers it.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -41,7 +42,7 @@ def _bad_request(message: str) -> ApiError:
 
 def _header_length(declared: str, body_length: int) -> int:
     """The JSON header's length in bytes, as the header declares it; a 400 when it cannot be that."""
-    if not declared.isdigit():
+    if re.fullmatch("[0-9]+", declared) is None:  # str.isdigit() takes "²", which int() does not
         raise _bad_request(f"the {HEADER_LENGTH} header must be a number of bytes; received {declared!r}")
     length = int(declared)
     if length > body_length:

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 
+from gateway.errors import ApiError
+from gateway.kserve_binary import _header_length
 from schemas.triton import InferRequest
 from tests.processes import on_kafka
 from tests.test_api_errors import in_process_gateway
@@ -177,8 +179,10 @@ def gateway(tmp_path_factory):
 
 
 def _framed(header: dict, data: bytes, declared: int | str | None = None) -> tuple[bytes, dict]:
+    """The body, and its header length as declared (the JSON's own by default; latin-1, as HTTP carries it)."""
     text = json.dumps(header).encode()
-    return text + data, {"Inference-Header-Content-Length": str(len(text) if declared is None else declared)}
+    length = str(len(text) if declared is None else declared).encode("latin-1")
+    return text + data, {"Inference-Header-Content-Length": length}
 
 
 TWO_IDS = struct.pack("<2I", 5, 6)
@@ -238,6 +242,14 @@ def test_a_binary_body_that_does_not_add_up_is_refused_saying_why(gateway, heade
     answer = gateway.post("/v2/models/tiny/infer", content=body, headers=headers)
     assert answer.status_code == status and error in answer.json()["error"], answer.text
     assert answer.json()["error_type"] == "Input Validation Error"
+
+
+def test_a_header_length_that_only_str_isdigit_calls_a_number_is_a_400_too():
+    """A "²" (a latin-1 header byte) is a digit to str.isdigit(), not to int(). The test client re-encodes header
+    values as UTF-8, so this one is checked below HTTP."""
+    with pytest.raises(ApiError) as refused:
+        _header_length("\xb2", 100)
+    assert refused.value.status == 400 and "must be a number of bytes; received '²'" in refused.value.body.error
 
 
 @pytest.mark.parametrize(
