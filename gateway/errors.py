@@ -81,7 +81,7 @@ def describe_validation_error(error: dict, body_type: Any = None) -> str:
     if error.get("type") == "missing":
         return f"{field} is required"
     if error.get("type") == "extra_forbidden":
-        place = where_it_belongs(body_type, location) if body_type is not None else None
+        place = where_it_belongs(body_type, location, error.get("input")) if body_type is not None else None
         return f"{field} is not a known field here; it belongs {place}" if place else f"{field} is not a known field"
     if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # a discriminated union: say its values
         discriminator = context["discriminator"].strip("'")

@@ -57,7 +57,7 @@ class RequestBodies:
         # Changed in place, not in a copy: the access log (gateway/access_log.py) reads the route that routing
         # records in this scope.
         scope["headers"] = [*headers, (b"content-type", b"application/json")]
-        await self._app(scope, _replay(bytes(body), receive), send)
+        await self._app(scope, replay(bytes(body), receive), send)
 
     async def _refuse(self, send: Send, size: int) -> None:
         error = f"the request body has {size} bytes or more; at most {self._max_bytes} are allowed"
@@ -89,7 +89,7 @@ def _beyond_parser_limits(body: bytes) -> str | None:
     return None
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay(body: bytes, receive: Receive) -> Receive:
     """A receive that yields the buffered body once, then waits for the client as usual."""
     sent = False
 

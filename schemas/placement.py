@@ -68,22 +68,37 @@ def dotted(location: Location) -> str:
     return ".".join(str(part) for part in location)
 
 
-def where_it_belongs(root: Any, location: Location) -> str | None:
-    """Where the unknown field at `location` of a `root` value belongs: "in parameters", "at the top level".
+def _takes(models: list[type[BaseModel]], name: str, value: Any) -> bool:
+    """Whether one of `models` has a field `name` that `value` fits: an object's names must all be that field's
+    model's (`parameters: {"binary_data": false}` does not belong where `parameters` has no such name)."""
+    for model in models:
+        info = _fields(model).get(name)
+        if info is None:
+            continue
+        inner = _models(info.annotation)
+        if not isinstance(value, dict) or not inner or any(set(value) <= set(_fields(m)) for m in inner):
+            return True
+    return False
 
-    None when neither an object inside the one it was given in nor the one around it has a field of that name.
+
+def where_it_belongs(root: Any, location: Location, value: Any) -> str | None:
+    """Where the unknown field at `location` of a `root` value, given as `value`, belongs: "in parameters",
+    "at the top level".
+
+    None when neither an object inside the one it was given in nor the one around it has a field of that name
+    that the value fits.
     """
     *container, name = location
     models, named = _walk(root, tuple(container))
     for model in models:
         for field, info in _fields(model).items():
-            if any(name in _fields(inner) for inner in _models(info.annotation)):
+            if _takes(_models(info.annotation), name, value):
                 return f"in {dotted((*(container[i] for i in named), field))}"
     fields = [index for index in named if isinstance(container[index], str)]
     if not fields:
         return None
     around = tuple(container[: fields[-1]])
-    if any(name in _fields(model) for model in _walk(root, around)[0]):
+    if _takes(_walk(root, around)[0], name, value):
         named_around = as_named(root, around)
         return f"in {dotted(named_around)}" if named_around else "at the top level"
     return None

@@ -1,7 +1,12 @@
 """Bodies of the Triton-compatible routes: /v2/models/{model}/generate, generate_stream, infer.
 
 Field names, types and ranges are MindIE's (../shared/spec/API.md decides
-where its pages disagree). Unknown fields are refused, never ignored.
+where its pages disagree). Unknown fields are refused, never ignored. On
+infer, KServe v2's own parameters come besides MindIE's, so that Triton's
+clients work with their defaults: `binary_data_size` on an input, whose ids
+then follow the JSON header as raw bytes (gateway/kserve_binary.py),
+`binary_data` on a requested output and `binary_data_output` at the top
+level, which ask for the answer's ids that way.
 """
 
 from __future__ import annotations
@@ -46,28 +51,86 @@ class GenerateStreamRequest(BaseModel):
     parameters: GenerateStreamParameters = GenerateStreamParameters()
 
 
+UINT32_BYTES = 4
+DEFAULT_OUTPUT = "output0"
+
+
+def shape_problem(shape: list[int], length: int, data: str = "data") -> str | None:
+    """Why an input's shape does not fit its `length` ids (`data` says where they are); None when it does."""
+    if shape in ([length], [1, length]):
+        return None
+    return f"shape {shape} does not fit {data} of length {length}: use [n] or [1, n]"
+
+
+class InferInputParameters(TritonInferParameters):
+    """inputs[0].parameters: MindIE's sampling parameters (or at the top level), and KServe's binary_data_size."""
+
+    binary_data_size: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_PROMPT_TOKENS * UINT32_BYTES,
+        description="Bytes of this input's ids after the JSON header (4 per id, little-endian); data is then absent.",
+    )
+
+
+class InferRequestParameters(TritonInferParameters):
+    """The top-level parameters: MindIE's sampling parameters (or in inputs[0]), and KServe's binary_data_output."""
+
+    binary_data_output: bool | None = Field(
+        None, description="Answer every output whose own binary_data is not set as binary data; default false."
+    )
+
+
+def sampling_given(parameters: TritonInferParameters | None) -> bool:
+    """Whether any of MindIE's sampling parameters is set, KServe's binary_data ones aside."""
+    return parameters is not None and any(
+        parameters.given(name) is not None for name in TritonInferParameters.model_fields
+    )
+
+
 class InferInput(BaseModel):
     model_config = STRICT
 
     name: Literal["input0"]
-    shape: list[int] = Field(min_length=1, max_length=2, description="[n] or [1, n], n the length of data.")
+    shape: list[int] = Field(min_length=1, max_length=2, description="[n] or [1, n], n the number of ids.")
     datatype: Literal["UINT32"]
-    data: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] = Field(
-        min_length=1, max_length=MAX_PROMPT_TOKENS, description="Prompt token ids."
+    data: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_PROMPT_TOKENS,
+        description="Prompt token ids; absent when parameters.binary_data_size says they follow as binary data.",
     )
-    parameters: TritonInferParameters | None = None
+    parameters: InferInputParameters | None = None
+
+    @property
+    def binary_data_size(self) -> int | None:
+        return self.parameters.binary_data_size if self.parameters is not None else None
 
     @model_validator(mode="after")
-    def _shape_fits_data(self) -> InferInput:
-        if self.shape not in ([len(self.data)], [1, len(self.data)]):
-            raise ValueError(f"shape {self.shape} does not fit data of length {len(self.data)}: use [n] or [1, n]")
+    def _data_once(self) -> InferInput:
+        if self.data is not None and self.binary_data_size is not None:
+            raise ValueError("give data or parameters.binary_data_size (the ids as binary data), not both")
+        if self.data is None and self.binary_data_size is None:
+            raise ValueError("data is required, or parameters.binary_data_size with the ids as binary data")
+        problem = shape_problem(self.shape, len(self.data)) if self.data is not None else None
+        if problem is not None:
+            raise ValueError(problem)
         return self
+
+
+class InferOutputParameters(BaseModel):
+    model_config = STRICT
+
+    binary_data: bool | None = Field(
+        None, description="Answer this output's ids as binary data after the JSON header; absent: binary_data_output."
+    )
 
 
 class InferOutputRequest(BaseModel):
     model_config = STRICT
 
     name: str = Field(min_length=1, max_length=256)
+    parameters: InferOutputParameters | None = None
 
 
 class InferRequest(BaseModel):
@@ -77,18 +140,34 @@ class InferRequest(BaseModel):
 
     id: RequestId = None
     inputs: list[InferInput] = Field(min_length=1, max_length=1)
-    outputs: list[InferOutputRequest] = Field(min_length=1, max_length=1)
-    parameters: TritonInferParameters | None = Field(None, description="Also accepted as inputs[0].parameters.")
+    outputs: list[InferOutputRequest] | None = Field(
+        None, min_length=1, max_length=1, description=f"Absent: the one output, named {DEFAULT_OUTPUT}."
+    )
+    parameters: InferRequestParameters | None = Field(None, description="Also accepted as inputs[0].parameters.")
 
     @model_validator(mode="after")
     def _parameters_once(self) -> InferRequest:
-        if self.parameters is not None and self.inputs[0].parameters is not None:
+        if sampling_given(self.parameters) and sampling_given(self.inputs[0].parameters):
             raise ValueError("give parameters either at the top level or in inputs[0], not both")
         return self
 
     @property
     def effective_parameters(self) -> TritonInferParameters:
-        return self.parameters or self.inputs[0].parameters or TritonInferParameters()
+        given = [p for p in (self.parameters, self.inputs[0].parameters) if sampling_given(p)]
+        return given[0] if given else TritonInferParameters()
+
+    @property
+    def output(self) -> InferOutputRequest:
+        """The requested output, or the one there is when none was requested."""
+        return self.outputs[0] if self.outputs is not None else InferOutputRequest(name=DEFAULT_OUTPUT)
+
+    @property
+    def binary_output(self) -> bool:
+        """Whether the answer's ids go as binary data: the output's binary_data, else binary_data_output."""
+        own = self.output.parameters.binary_data if self.output.parameters is not None else None
+        if own is not None:
+            return own
+        return bool(self.parameters is not None and self.parameters.binary_data_output)
 
 
 class StopInferRequest(BaseModel):
@@ -134,16 +213,24 @@ class StreamEvent(_Output):
     decode_time: float | None = Field(None, description="Milliseconds since the previous token, on later events.")
 
 
+class BinaryDataSize(BaseModel):
+    binary_data_size: int = Field(description="Bytes of this output's ids after the JSON header.")
+
+
 class InferOutput(BaseModel):
     name: str
     shape: list[int] = Field(description="[1, n]")
     datatype: Literal["UINT32"] = "UINT32"
-    data: list[int] = Field(description="The generated token ids.")
+    data: list[int] | None = Field(None, description="The generated token ids; absent when they go as binary data.")
+    parameters: BinaryDataSize | None = Field(None, description="Present when the ids go as binary data.")
 
 
 class InferResponse(BaseModel):
     id: str
     outputs: list[InferOutput]
+
+
+PLATFORM = "transformers"
 
 
 class TensorMetadata(BaseModel):
@@ -156,10 +243,26 @@ class ModelMetadata(BaseModel):
     """GET /v2/models/{model}, as KServe v2 describes a model."""
 
     name: str
-    versions: list[str] = []
-    platform: str = "transformers"
+    versions: list[str] = Field([], description="Empty: /versions/{version} paths are not served.")
+    platform: str = PLATFORM
     inputs: list[TensorMetadata] = [TensorMetadata(name="input0")]
-    outputs: list[TensorMetadata] = [TensorMetadata(name="output0")]
+    outputs: list[TensorMetadata] = [TensorMetadata(name=DEFAULT_OUTPUT)]
+
+
+class TensorConfig(BaseModel):
+    name: str
+    data_type: Literal["TYPE_UINT32"] = "TYPE_UINT32"
+    dims: list[int] = Field([-1], description="Any number of ids (max_batch_size 0: no batch dimension).")
+
+
+class ModelConfig(BaseModel):
+    """GET /v2/models/{model}/config, in the shape of Triton's model configuration (its JSON form)."""
+
+    name: str
+    platform: str = PLATFORM
+    max_batch_size: int = Field(0, description="0: requests are not batched by the client; the engine batches.")
+    input: list[TensorConfig] = [TensorConfig(name="input0")]
+    output: list[TensorConfig] = [TensorConfig(name=DEFAULT_OUTPUT)]
 
 
 class ServerMetadata(BaseModel):
@@ -167,4 +270,6 @@ class ServerMetadata(BaseModel):
 
     name: str = "tokenrelay"
     version: str
-    extensions: list[str] = []
+    extensions: list[str] = Field(
+        ["binary_tensor_data", "model_configuration"], description="The KServe v2 / Triton extensions served."
+    )

@@ -152,7 +152,26 @@ def test_before_any_worker_announced_itself_a_model_is_unavailable_not_unknown(g
             },
             "inputs.0.seed is not a known field here; it belongs in inputs.0.parameters",
         ),
+        (
+            "/v2/models/tiny/infer",
+            {
+                "inputs": [{"name": "input0", "shape": [1], "datatype": "UINT32", "data": [1]}],
+                "outputs": [{"name": "output0", "binary_data": False}],
+            },
+            "outputs.0.binary_data is not a known field here; it belongs in outputs.0.parameters",
+        ),
         ("/generate", {"inputs": "x", "nonsense": 1}, "nonsense is not a known field"),
+        # Said only where what the field holds fits: the top level's parameters take no binary_data.
+        (
+            "/infer_token",
+            {"input_id": [1], "parameters": {"parameters": {"seed": 1}}},
+            "parameters.parameters is not a known field here; it belongs at the top level",
+        ),
+        (
+            "/infer_token",
+            {"input_id": [1], "parameters": {"parameters": {"binary_data": False}}},
+            "parameters.parameters is not a known field",
+        ),
     ],
 )
 def test_a_field_at_the_wrong_level_says_where_it_belongs(client, path, body, error):

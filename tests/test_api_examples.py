@@ -178,7 +178,11 @@ def test_recomputation_continues_the_count_and_the_timings(server):
 
 
 def test_metadata(server):
-    assert httpx.get(server.url("/v2")).json() == {"name": "tokenrelay", "version": "0.1.0", "extensions": []}
+    assert httpx.get(server.url("/v2")).json() == {
+        "name": "tokenrelay",
+        "version": "0.1.0",
+        "extensions": ["binary_tensor_data", "model_configuration"],
+    }
     model = httpx.get(server.url("/v2/models/llama3-70b")).json()
     assert model["name"] == "llama3-70b"
     assert model["inputs"] == [{"name": "input0", "datatype": "UINT32", "shape": [-1]}]

@@ -1,4 +1,9 @@
-"""Triton-compatible routes: generate, generate_stream, infer (token ids), stopInfer, metadata."""
+"""Triton-compatible routes: generate, generate_stream, infer (token ids), stopInfer, metadata, model config.
+
+infer speaks KServe v2 as Triton does, binary tensor data included
+(gateway/kserve_binary.py), so that Triton's HTTP clients work with their
+defaults.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,20 @@ from contextlib import aclosing
 from importlib.metadata import version
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.errors import GENERATION_ERRORS, ErrorBody, not_found
 from gateway.generation import complete, error_object, sse_response, start, stream
+from gateway.kserve_binary import (
+    BINARY_CONTENT_TYPE,
+    HEADER_LENGTH,
+    BinaryTensorRoute,
+    binary_response,
+    binary_tensor_data,
+    input_ids,
+    uint32_bytes,
+)
 from gateway.openapi import event_stream
 from gateway.prompts import multimodal_prompt
 from gateway.service import GatewayService
@@ -22,6 +36,7 @@ from schemas.triton import (
     GenerateStreamRequest,
     InferRequest,
     InferResponse,
+    ModelConfig,
     ModelMetadata,
     ServerMetadata,
     StopInferRequest,
@@ -108,14 +123,36 @@ async def generate_stream(model: str, body: GenerateStreamRequest, request: Requ
     return sse_response(await stream_objects(request, model, body), space=False)
 
 
-@router.post("/v2/models/{model}/infer", response_model=InferResponse, responses=GENERATION_ERRORS)
-async def infer(model: str, body: InferRequest, request: Request) -> JSONResponse:
-    """Generate from prompt token ids; answer with the generated token ids."""
+async def infer(model: str, body: InferRequest, request: Request) -> Response:
+    """Generate from prompt token ids; answer with the generated token ids.
+
+    With an `Inference-Header-Content-Length` header, the body is that many bytes of JSON followed by the
+    binary data its input declares; an output asked for as binary data comes back the same way."""
     service: GatewayService = request.app.state.gateway
-    inflight = await start(service, model, body.effective_parameters, token_ids=body.inputs[0].data, client_id=body.id)
+    prompt = input_ids(body, binary_tensor_data(request))
+    inflight = await start(service, model, body.effective_parameters, token_ids=prompt, client_id=body.id)
     done = await complete(service, inflight, request)
-    output = {"name": body.outputs[0].name, "shape": [1, len(done.token_ids)], "datatype": "UINT32"}
+    output = {"name": body.output.name, "shape": [1, len(done.token_ids)], "datatype": "UINT32"}
+    if body.binary_output:
+        data = uint32_bytes(done.token_ids)
+        answer = {"id": inflight.client_id, "outputs": [{**output, "parameters": {"binary_data_size": len(data)}}]}
+        return binary_response(answer, data)
     return JSONResponse({"id": inflight.client_id, "outputs": [{**output, "data": done.token_ids}]})
+
+
+_BINARY_ANSWER = {
+    "description": f"JSON; or, for outputs asked for as binary data, `{BINARY_CONTENT_TYPE}`: the JSON answer "
+    f"(its length in the `{HEADER_LENGTH}` header) followed by the ids as little-endian UINT32.",
+    "content": {BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+}
+router.add_api_route(
+    "/v2/models/{model}/infer",
+    infer,
+    methods=["POST"],
+    response_model=InferResponse,
+    responses={200: _BINARY_ANSWER, 400: {"model": ErrorBody}, **GENERATION_ERRORS},
+    route_class_override=BinaryTensorRoute,
+)
 
 
 @router.post("/v2/models/{model}/stopInfer", response_model=StopInferRequest, responses=GENERATION_ERRORS)
@@ -129,15 +166,24 @@ async def stop_infer(model: str, body: StopInferRequest, request: Request) -> St
 
 @router.get("/v2", response_model=ServerMetadata)
 async def server_metadata() -> ServerMetadata:
-    """The server's name and version (KServe v2)."""
+    """The server's name, version and the extensions it serves (KServe v2)."""
     return ServerMetadata(version=version("tokenrelay"))
 
 
-@router.get(
-    "/v2/models/{model}", response_model=ModelMetadata, responses={404: {"model": ErrorBody}, 503: {"model": ErrorBody}}
-)
+_MODEL_ERRORS = {404: {"model": ErrorBody}, 503: {"model": ErrorBody}}  # a model no worker announced
+
+
+@router.get("/v2/models/{model}", response_model=ModelMetadata, responses=_MODEL_ERRORS)
 async def model_metadata(model: str, request: Request) -> ModelMetadata:
     """The model's inputs and outputs (KServe v2): token ids in `input0`, token ids out of `output0`."""
     service: GatewayService = request.app.state.gateway
     service.directory.announced(model)
     return ModelMetadata(name=model)
+
+
+@router.get("/v2/models/{model}/config", response_model=ModelConfig, responses=_MODEL_ERRORS)
+async def model_config(model: str, request: Request) -> ModelConfig:
+    """The model's configuration in Triton's shape (the model_configuration extension): input0 and output0."""
+    service: GatewayService = request.app.state.gateway
+    service.directory.announced(model)
+    return ModelConfig(name=model)
