@@ -82,3 +82,24 @@ def test_tokens_come_from_the_seed_and_index_so_a_failover_goes_on_exactly():
         assert engine.prompt_stats()["cached_prompt_tokens"] > 0  # the second found the first's prompt cached
     finally:
         engine.stop()
+
+
+def test_a_simulated_worker_tokenizes_and_detokenizes_with_its_own_tokenizer():
+    model = SimulatedModel(PROFILE)
+    events: queue.Queue = queue.Queue()
+    engine = Engine(model, model.engine_config(EngineConfig()), lambda batch: [events.put(e) for e in batch])
+    engine.start()
+    try:
+        fields = dict(model="m", sampling=SamplingParams(seed=1), deadline=time.time() + 60)
+        text = "héllo wörld 日本"
+        [tokenized] = _run(engine, events, EngineRequest(request_id="t", task="tokenize", prompt_text=text, **fields))
+        ids = model.tokenizer(text)["input_ids"]
+        assert [t.id for t in tokenized.tokens] == ids and tokenized.prompt_tokens == len(ids)
+        # Each 4-byte piece's place: the characters its bytes touch.
+        assert [text[t.start : t.stop] for t in tokenized.tokens] == ["hél", "lo w", "örl", "d 日", "日本"]
+        [decoded] = _run(
+            engine, events, EngineRequest(request_id="d", task="detokenize", prompt_token_ids=ids, **fields)
+        )
+        assert decoded.text == model.tokenizer.decode(ids) and decoded.finish_reason is not None
+    finally:
+        engine.stop()
