@@ -46,16 +46,19 @@ def _error(event: TokenEvent) -> ApiError:
     return ApiError(event.error.status, event.error.error_type, event.error.message)
 
 
-def check_prompt_tokens(model: ServedModel, token_ids: list[int]) -> None:
-    """424 for a token prompt the model cannot take, as a worker would answer, without asking one."""
+def check_prompt_tokens(model: ServedModel, token_ids: list[int], field: str | None = None) -> None:
+    """424 for a token prompt the model cannot take, as a worker would answer, without asking one; the message
+    names the body's `field` that holds the ids, where one is given."""
+    named = f"{field}: " if field else ""
     outside = next((t for t in token_ids if t >= model.vocab_size), None)
     if outside is not None:
-        raise ApiError(424, GENERATION_ERROR, f"token id {outside} is outside the vocabulary [0, {model.vocab_size})")
+        message = f"{named}token id {outside} is outside the vocabulary [0, {model.vocab_size})"
+        raise ApiError(424, GENERATION_ERROR, message)
     if len(token_ids) > model.max_input_len:
         raise ApiError(
             424,
             GENERATION_ERROR,
-            f"the prompt has {len(token_ids)} tokens; at most {model.max_input_len} are allowed",
+            f"{named}the prompt has {len(token_ids)} tokens; at most {model.max_input_len} are allowed",
         )
 
 

@@ -46,6 +46,7 @@ from schemas.messages import (
     StopClientRequest,
     Task,
     TokenEvents,
+    Tokenization,
     WorkerHeartbeat,
     WorkerLoad,
     encode,
@@ -260,11 +261,12 @@ class GatewayService:
         tokens_before: int = 0,
         client_id: str | None = None,
         task: Task = "generate",
+        tokenization: Tokenization | None = None,
     ) -> InFlight:
         """Publish a request for the model's workers; its events arrive on the returned InFlight.
 
         `client_id` is the id the client gave (stopInfer finds the request by it); `task` what the worker does
-        with the prompt (schemas/messages.py).
+        with the prompt (schemas/messages.py), `tokenization` how a tokenize request's prompt is tokenized.
         """
         now = time.time()
         generation_id = uuid.uuid4().hex
@@ -281,6 +283,7 @@ class GatewayService:
             images=list(images),
             tools=tools,
             truncate=truncate,
+            tokenization=tokenization,
             sampling=sampling,
             priority=priority or self._settings.default_priority,
             tokens_before=tokens_before,

@@ -97,6 +97,16 @@ class ChatMessage(BaseModel):
 Task = Literal["generate", "tokenize", "detokenize", "embed"]
 
 
+class Tokenization(BaseModel):
+    """How a tokenize request asks its prompt to be rendered and tokenized (vLLM's /tokenize options)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    add_special_tokens: bool  # the tokenizer's own (BOS) around the prompt, besides what a chat template writes
+    add_generation_prompt: bool = True  # a chat ends with the header of the assistant's turn to come
+    continue_final_message: bool = False  # a chat ends open, inside its last message
+
+
 class GenerationRequest(_Message):
     """A request for a worker: published to the topic of its model and priority."""
 
@@ -120,6 +130,8 @@ class GenerationRequest(_Message):
     images: list[bytes] = []
     tools: list[dict] | None = None  # functions the chat template presents (OpenAI's tools)
     truncate: int | None = Field(default=None, gt=0)  # keep only the prompt's last N tokens (TGI)
+    # None: tokenized as for generation (a text with the tokenizer's special tokens, a chat with its template's).
+    tokenization: Tokenization | None = None
     sampling: SamplingParams
     priority: int = Field(default=5, ge=1, le=5)
     # A recomputation continues a generation that broke off: this many tokens
@@ -191,6 +203,18 @@ class TokenInfo(BaseModel):
     top: list[TokenInfo] = []  # the likeliest tokens at its position, likeliest first
 
 
+class PromptToken(BaseModel):
+    """A token of a tokenized prompt: its id, its spelling in the vocabulary, its place in the prompt's text."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: int
+    token: str  # as the vocabulary spells it (convert_ids_to_tokens): "Ġworld", "<s>"
+    # Characters into the prompt text, stop excluded; None where the tokens are of a rendering (a chat's).
+    start: int | None = None
+    stop: int | None = None
+
+
 class TokenEvent(BaseModel):
     """Tokens of one request produced by one engine step (usually one token)."""
 
@@ -205,6 +229,7 @@ class TokenEvent(BaseModel):
     # On the first event when sampling.prompt_logprobs is set: the prompt's tokens.
     prompt: list[TokenInfo] | None = None
     logprobs: list[TokenInfo] | None = None  # when sampling.logprobs is set: one per token of token_ids
+    tokens: list[PromptToken] | None = None  # a tokenize request's answer; a detokenize request's is its text
     prefill_time_ms: float | None = None  # first token: arrival at the worker to token
     decode_time_ms: float | None = None  # later tokens: since the previous token
     queue_wait_us: int = 0  # how long the sequence waited before this step ran

@@ -5,14 +5,15 @@ one level off, such as `max_new_tokens` beside `parameters` instead of in it,
 is refused; the error can then say where it belongs. A place is found by
 walking the body's models along the error's location: a name is a field, a
 number a list's item, anything else a union member's tag (the value of its
-`op`, say) that picks the members it names.
+`op`, say, or the Tag() a callable discriminator picks it by) that picks the
+members it names.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Tag
 from pydantic.fields import FieldInfo
 
 Location = tuple[str | int, ...]
@@ -37,10 +38,19 @@ def _tags(model: type[BaseModel]) -> set:
     return {value for literal in literals for value in get_args(literal)}
 
 
+def _tagged(annotation: Any) -> dict[str, list[type[BaseModel]]]:
+    """The members of the unions in this annotation that carry a Tag() (a callable discriminator's), by tag."""
+    arguments = get_args(annotation)
+    found = {m.tag: _models(arguments[0]) for m in arguments[1:] if isinstance(m, Tag)}
+    for argument in arguments:
+        found |= _tagged(argument)
+    return found
+
+
 def _walk(root: Any, location: Location) -> tuple[list[type[BaseModel]], list[int]]:
     """The models the value at `location` can be (none when it is no model, or the walk loses its way), and the
     indexes of the parts a body names: its fields and list items, not the union members' tags pydantic adds."""
-    models, named = _models(root), []
+    models, named, tags = _models(root), [], _tagged(root)
     for index, part in enumerate(location):
         if isinstance(part, int):  # an item of a list, whose models the list's field gave already
             named.append(index)
@@ -48,9 +58,11 @@ def _walk(root: Any, location: Location) -> tuple[list[type[BaseModel]], list[in
         holders = [model for model in models if part in _fields(model)]
         if holders:
             named.append(index)
-            models = list(dict.fromkeys(m for model in holders for m in _models(_fields(model)[part].annotation)))
+            annotations = [_fields(model)[part].annotation for model in holders]
+            models = list(dict.fromkeys(m for annotation in annotations for m in _models(annotation)))
+            tags = {tag: members for annotation in annotations for tag, members in _tagged(annotation).items()}
             continue
-        tagged = [model for model in models if part in _tags(model)]
+        tagged = [model for model in models if part in _tags(model)] or tags.get(part, [])
         if not tagged:  # no tag: a field none of them has
             named.append(index)
         models = tagged

@@ -72,11 +72,16 @@ class TgiParameters(RouteParameters):
         return value
 
 
-class TgiRequest(BaseModel):
+class TgiTokenizeRequest(BaseModel):
+    """POST /tokenize in TGI's shape: `inputs` tokenized as /generate takes it (truncate applies)."""
+
     model_config = STRICT
 
     inputs: str = Field(min_length=1, max_length=512 * 1024)
     parameters: TgiParameters = TgiParameters()
+
+
+class TgiRequest(TgiTokenizeRequest):
     stream: bool = Field(False, description="On /generate: answer as /generate_stream would.")
 
     @model_validator(mode="after")
@@ -140,6 +145,15 @@ class TgiStreamEvent(BaseModel):
     top_tokens: list[TgiToken] | None = None  # with top_n_tokens
     generated_text: str | None = None  # on the last event
     details: TgiStreamDetails | None = None  # on the last event, when asked
+
+
+class TgiSimpleToken(BaseModel):
+    """A token of TGI's /tokenize answer: `inputs[start:stop]` is its text (a special token's is empty)."""
+
+    id: int
+    text: str
+    start: int  # characters into inputs
+    stop: int
 
 
 class TgiError(BaseModel):

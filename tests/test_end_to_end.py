@@ -21,7 +21,7 @@ import pytest
 import websockets
 
 from tests.processes import Process, free_port, spawn_tokenrelay, wait_ready
-from tests.reference import greedy_text
+from tests.reference import bundled, greedy_text
 from tests.spec_examples import GENERATE
 
 MODEL = "tokenrelay-tiny"
@@ -303,6 +303,22 @@ def test_one_request_id_finds_a_request_in_the_gateways_and_the_workers_lines(de
     assert {e["worker_id"] for e in worker_lines} == {WORKER_ID}
     generation = worker_lines[0]["generation_id"]
     assert generation != request_id and all(e["generation_id"] == generation for e in worker_lines)
+
+
+def test_tokenize_and_detokenize_are_answered_by_a_worker_as_its_tokenizer_does(deployment):
+    tokenizer = bundled().tokenizer
+    ids = tokenizer(PROMPT)["input_ids"]
+    vllm = httpx.post(f"{deployment.base_url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}, timeout=60)
+    assert vllm.status_code == 200, vllm.text
+    assert vllm.json()["tokens"] == ids and vllm.json()["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    tgi = httpx.post(f"{deployment.base_url}/tokenize", json={"inputs": PROMPT}, timeout=60).json()
+    assert [t["id"] for t in tgi] == ids and all(t["text"] == PROMPT[t["start"] : t["stop"]] for t in tgi)
+    chat = [{"role": "user", "content": PROMPT}]
+    tokenized = httpx.post(f"{deployment.base_url}/tokenize", json={"messages": chat}, timeout=60).json()
+    assert tokenized["tokens"] == tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+    bare = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    decoded = httpx.post(f"{deployment.base_url}/detokenize", json={"tokens": bare}, timeout=60)
+    assert decoded.status_code == 200 and decoded.json() == {"prompt": PROMPT}, decoded.text
 
 
 def test_health_and_readiness(deployment):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from schemas.messages import FinishReason, SamplingParams, TokenEvent
+from schemas.messages import ChatMessage, FinishReason, SamplingParams, TokenEvent, Tokenization
 from tests.devices import TEST_DEVICE
 from tests.test_cuda_graphs import replay_eagerly
 from workers.bundled import BUNDLED_MODEL
@@ -469,6 +469,59 @@ def test_token_id_outside_the_vocabulary_is_refused_with_424(harness):
     [event] = harness.collect([request_id])[request_id]
     assert event.error.status == 424
     assert "32000" in event.error.message and "[0, 32000)" in event.error.message
+
+
+def _answer(harness: Harness, task: str, **prompt) -> TokenEvent:
+    """The one event of a tokenize or detokenize request."""
+    request_id = uuid.uuid4().hex
+    request = EngineRequest(
+        request_id=request_id, sampling=SamplingParams(seed=0), deadline=time.time() + 60, task=task, **prompt
+    )
+    harness.engine.submit(request, time.monotonic())
+    [event] = harness.collect([request_id])[request_id]
+    return event
+
+
+def test_tokenize_and_detokenize_are_answered_between_steps_with_the_tokenizers_own_tokens(loaded, harness):
+    tokenizer = loaded.tokenizer
+    running = harness.submit(LONG, 40)  # a generation in flight: the answers come between its steps
+    harness.wait_for_tokens(running, 1)
+    text = "Hello wörld, 日本"
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    event = _answer(harness, "tokenize", prompt_text=text)
+    assert [t.id for t in event.tokens] == encoded["input_ids"] and event.prompt_tokens == len(encoded["input_ids"])
+    assert [t.token for t in event.tokens] == tokenizer.convert_ids_to_tokens(encoded["input_ids"])
+    assert [(t.start, t.stop) for t in event.tokens] == encoded["offset_mapping"]
+    assert event.finish_reason == FinishReason.LENGTH and event.token_ids == [] and event.error is None
+    bare = _answer(
+        harness, "tokenize", prompt_text=text, tokenization=Tokenization(add_special_tokens=False), truncate=3
+    )
+    assert [t.id for t in bare.tokens] == tokenizer(text, add_special_tokens=False)["input_ids"][-3:]
+
+    chat = [ChatMessage(role="user", content="hi"), ChatMessage(role="assistant", content="Hello")]
+    dicts = [m.model_dump(exclude_none=True) for m in chat]
+    open_ended = Tokenization(add_special_tokens=False, add_generation_prompt=False, continue_final_message=True)
+    event = _answer(harness, "tokenize", chat_messages=chat, tokenization=open_ended)
+    expected = tokenizer.apply_chat_template(dicts, continue_final_message=True, tokenize=True)["input_ids"]
+    assert [t.id for t in event.tokens] == expected and {(t.start, t.stop) for t in event.tokens} == {(None, None)}
+    as_generated = _answer(harness, "tokenize", chat_messages=chat)  # no options: the template's generation prompt
+    expected = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert [t.id for t in as_generated.tokens] == expected
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert _answer(harness, "detokenize", prompt_token_ids=ids).text == text
+    assert _answer(harness, "detokenize", prompt_token_ids=encoded["input_ids"]).text == "<s>" + text
+    refused = _answer(harness, "detokenize", prompt_token_ids=[5, 32000])
+    assert (
+        refused.error.status == 424 and "token id 32000 is outside the vocabulary [0, 32000)" in refused.error.message
+    )
+    assert harness.collect([running])[running][-1].finish_reason is not None  # the generation went on undisturbed
+
+
+def test_tokenize_keeps_the_prompt_limit(harness_with):
+    h = harness_with(max_input_len=8)
+    event = _answer(h, "tokenize", prompt_token_ids=list(range(100, 109)))
+    assert event.error.status == 424 and "9 tokens" in event.error.message and "at most 8" in event.error.message
 
 
 def test_a_request_past_its_deadline_ends_with_a_timeout(harness):

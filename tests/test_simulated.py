@@ -6,6 +6,9 @@ import queue
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from schemas.messages import SamplingParams
 from tests.test_scheduler import _sequence
@@ -54,31 +57,49 @@ def _run(engine: Engine, events: queue.Queue, request: EngineRequest) -> list:
     return got
 
 
-def test_tokens_come_from_the_seed_and_index_so_a_failover_goes_on_exactly():
+@pytest.fixture
+def simulated() -> Iterator[tuple[SimulatedModel, Engine, queue.Queue]]:
+    """A started engine around the test profile's model, and the queue its events land in."""
     model = SimulatedModel(PROFILE)
     events: queue.Queue = queue.Queue()
     engine = Engine(model, model.engine_config(EngineConfig()), lambda batch: [events.put(e) for e in batch])
     engine.start()
-    try:
-        now = time.time()
-        fields = dict(model="m", prompt_text="a prompt " * 40, deadline=now + 60)
-        whole = _run(
-            engine,
-            events,
-            EngineRequest(request_id="a", sampling=SamplingParams(seed=7, max_new_tokens=6), **fields),
-        )
-        tokens = [e.token_ids[0] for e in whole]
-        assert tokens == [simulated_token(7, i) for i in range(6)]
-        resumed = EngineRequest(
-            request_id="b",
-            attempt=1,
-            generated_token_ids=tokens[:2],
-            sampling=SamplingParams(seed=7, max_new_tokens=6),
-            **fields,
-        )
-        rest = _run(engine, events, resumed)
-        assert [e.token_ids[0] for e in rest] == tokens[2:]
-        assert "".join(e.text for e in rest) == "".join(e.text for e in whole[2:])
-        assert engine.prompt_stats()["cached_prompt_tokens"] > 0  # the second found the first's prompt cached
-    finally:
-        engine.stop()
+    yield model, engine, events
+    engine.stop()
+
+
+def test_tokens_come_from_the_seed_and_index_so_a_failover_goes_on_exactly(simulated):
+    _, engine, events = simulated
+    now = time.time()
+    fields = dict(model="m", prompt_text="a prompt " * 40, deadline=now + 60)
+    whole = _run(
+        engine,
+        events,
+        EngineRequest(request_id="a", sampling=SamplingParams(seed=7, max_new_tokens=6), **fields),
+    )
+    tokens = [e.token_ids[0] for e in whole]
+    assert tokens == [simulated_token(7, i) for i in range(6)]
+    resumed = EngineRequest(
+        request_id="b",
+        attempt=1,
+        generated_token_ids=tokens[:2],
+        sampling=SamplingParams(seed=7, max_new_tokens=6),
+        **fields,
+    )
+    rest = _run(engine, events, resumed)
+    assert [e.token_ids[0] for e in rest] == tokens[2:]
+    assert "".join(e.text for e in rest) == "".join(e.text for e in whole[2:])
+    assert engine.prompt_stats()["cached_prompt_tokens"] > 0  # the second found the first's prompt cached
+
+
+def test_a_simulated_worker_tokenizes_and_detokenizes_with_its_own_tokenizer(simulated):
+    model, engine, events = simulated
+    fields = dict(model="m", sampling=SamplingParams(seed=1), deadline=time.time() + 60)
+    text = "héllo wörld 日本"
+    [tokenized] = _run(engine, events, EngineRequest(request_id="t", task="tokenize", prompt_text=text, **fields))
+    ids = model.tokenizer(text)["input_ids"]
+    assert [t.id for t in tokenized.tokens] == ids and tokenized.prompt_tokens == len(ids)
+    # Each 4-byte piece's place: the characters its bytes touch.
+    assert [text[t.start : t.stop] for t in tokenized.tokens] == ["hél", "lo w", "örl", "d 日", "日本"]
+    [decoded] = _run(engine, events, EngineRequest(request_id="d", task="detokenize", prompt_token_ids=ids, **fields))
+    assert decoded.text == model.tokenizer.decode(ids) and decoded.finish_reason is not None

@@ -172,9 +172,9 @@ def _answer(responses: dict) -> str:
             events = " or ".join(_anchor(name) for name in dict.fromkeys(_references(data)))
             parts.append(f"SSE events of {events}" + (f", then `{done[0]}`" if done else ""))
         elif media_type == "application/json":
-            name = _ref_name(schema)
-            if name or "text/event-stream" not in content:  # a stream-only route's JSON is FastAPI's filler
-                parts.append(f"JSON {_anchor(name)}" if name else "JSON")
+            named = _ref_name(schema) or "anyOf" in schema or "oneOf" in schema  # a model, or one of several
+            if named or "text/event-stream" not in content:  # a stream-only route's JSON is FastAPI's filler
+                parts.append(f"JSON {type_of(schema)}" if named else "JSON")
         else:
             parts.append(f"`{media_type}`")
     return "; ".join(parts)
@@ -229,14 +229,12 @@ def render(document: dict, sockets: list[tuple[str, str]]) -> str:
         ]
         for method, path, operation in routes:
             body = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
-            body_name = _ref_name(body)
-            if body_name:
-                request_models.append(body_name)
+            request_models += _references(body)  # a model, or the members of a union of bodies (/tokenize's)
             answer_models += _references(operation.get("responses", {}).get("200", {}))
             errors = ", ".join(status for status in operation.get("responses", {}) if status != "200")
             what = (operation.get("description") or operation.get("summary") or "").split("\n\n")[0]
             lines.append(
-                f"| {method.upper()} | `{path}` | {_cell(what)} | {_anchor(body_name) if body_name else ''} | "
+                f"| {method.upper()} | `{path}` | {_cell(what)} | {_cell(type_of(body)) if body else ''} | "
                 f"{_cell(_answer(operation.get('responses', {})))} | {errors} |"
             )
         lines.append("")

@@ -509,6 +509,7 @@ def engine_request(request: GenerationRequest) -> EngineRequest:
         images=tuple(request.images),
         tools=request.tools,
         truncate=request.truncate,
+        tokenization=request.tokenization,
         tokens_before=request.tokens_before,
         generated_token_ids=tuple(request.generated_token_ids),
         prefixes=PromptPrefixes(tuple(prefix_hashes(request, data)), len(data), CHUNK_BYTES),

@@ -5,6 +5,8 @@ TGI serves its one model. `huggingface_hub.InferenceClient(base_url)` posts
 to `/`. A stream's events each carry one token; the last also carries
 `generated_text` and, when asked, `details`. A last event without a token of
 its own (the request was stopped) carries an empty special token with id -1.
+TGI's POST /tokenize shares its path with vLLM's: gateway/routes/tokenize.py
+serves both, told apart by the body.
 """
 
 from __future__ import annotations

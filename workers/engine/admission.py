@@ -5,6 +5,8 @@ a chat rendered by the model's template, a prompt with images prepared for a
 vision-language model), truncated where asked, checked against the limits,
 and its named prefixes placed among its KV blocks. A refusal is the request's
 last event, a 424 per the contract, after whatever its client already has.
+A tokenize or detokenize request goes through the same tokenization and
+limits, and is answered here at once, in one event: it needs no KV and no step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.messages import GENERATION_ERROR, ErrorInfo, FinishReason, TextPart, TokenEvent
+from schemas.messages import (
+    GENERATION_ERROR,
+    ErrorInfo,
+    FinishReason,
+    PromptToken,
+    TextPart,
+    TokenEvent,
+    Tokenization,
+)
 from workers.engine.config import EngineConfig
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.request import EngineRequest
@@ -51,6 +61,10 @@ def unstarted_end(request: EngineRequest, reason: FinishReason, error: ErrorInfo
     )
 
 
+# How generation tokenizes a chat: the template writes the special tokens, and ends with the assistant's header.
+_CHAT_AS_GENERATED = Tokenization(add_special_tokens=False)
+
+
 class Admission:
     def __init__(self, model: Any, vision: Any, config: EngineConfig, max_input_len: int) -> None:
         """`model`: the engine's (its tokenizer and vocabulary); `vision`: its images' preparation
@@ -67,17 +81,9 @@ class Admission:
         if submitted.refusal is not None:
             raise Rejected(request, f"the grammar cannot be applied: {submitted.refusal}")
         prompt_ids, images = self._prompt(request)
-        if request.truncate is not None:
-            if images is not None and request.truncate < len(prompt_ids):
-                raise Rejected(request, "a prompt with images cannot be truncated (truncate)")
-            prompt_ids = prompt_ids[-request.truncate :]
+        prompt_ids = prompt_ids[self._kept_from(request, len(prompt_ids), images is not None) :]
         if not prompt_ids:
             raise Rejected(request, "the prompt has no tokens")
-        if len(prompt_ids) > self._max_input_len:
-            limit = self._max_input_len
-            raise Rejected(
-                request, f"the prompt has {len(prompt_ids)} tokens after tokenization; at most {limit} are allowed"
-            )
         budget = min(request.sampling.max_new_tokens, self._config.max_iter_times) - request.tokens_before
         if budget < 1:
             raise Rejected(request, f"no token is left to generate after the {request.tokens_before} generated before")
@@ -95,6 +101,65 @@ class Admission:
         if request.prefixes is not None:
             sequence.prefix_marks = self._prefix_marks(request, len(prompt_ids))
         return sequence
+
+    def answer(self, request: EngineRequest) -> TokenEvent:
+        """A tokenize request's tokens, or a detokenize request's text: its one event; Rejected as admit."""
+        try:
+            return self._tokenized(request)
+        except Rejected:
+            raise
+        except Exception as error:  # a tokenizer that cannot (a slow one's offsets): the request fails, not the engine
+            raise Rejected(request, f"the tokenizer cannot answer: {error}") from None
+
+    def _tokenized(self, request: EngineRequest) -> TokenEvent:
+        if request.task == "detokenize":
+            token_ids, _ = self._prompt(request)  # the vocabulary checked
+            text = self._tokenizer.decode(token_ids)  # special tokens included, as vLLM's /detokenize
+            return self._answer(request, len(token_ids), text=text)
+        if request.prompt_text is not None:  # with each token's place in the text
+            add_special_tokens = request.tokenization is None or request.tokenization.add_special_tokens
+            encoded = self._tokenizer(
+                request.prompt_text, add_special_tokens=add_special_tokens, return_offsets_mapping=True
+            )
+            token_ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+            images = None
+        else:
+            (token_ids, images), offsets = self._prompt(request), None
+        kept = self._kept_from(request, len(token_ids), images is not None)
+        token_ids, places = token_ids[kept:], (offsets or [(None, None)] * len(token_ids))[kept:]
+        spellings = self._tokenizer.convert_ids_to_tokens(token_ids)
+        tokens = [
+            PromptToken(id=token, token=spelling, start=start, stop=stop)
+            for token, spelling, (start, stop) in zip(token_ids, spellings, places, strict=True)
+        ]
+        return self._answer(request, len(tokens), tokens=tokens)
+
+    @staticmethod
+    def _answer(request: EngineRequest, prompt_tokens: int, **answer: Any) -> TokenEvent:
+        # Its finish_reason says the prompt was read to its end.
+        return TokenEvent(
+            request_id=request.request_id,
+            attempt=request.attempt,
+            index=0,
+            prompt_tokens=prompt_tokens,
+            finish_reason=FinishReason.LENGTH,
+            **answer,
+        )
+
+    def _kept_from(self, request: EngineRequest, prompt_tokens: int, has_images: bool) -> int:
+        """Where the tokens kept of a prompt of `prompt_tokens` start (truncate); Rejected if too many are left."""
+        kept_from = 0
+        if request.truncate is not None:
+            if has_images and request.truncate < prompt_tokens:
+                raise Rejected(request, "a prompt with images cannot be truncated (truncate)")
+            kept_from = max(0, prompt_tokens - request.truncate)
+        if prompt_tokens - kept_from > self._max_input_len:
+            limit = self._max_input_len
+            raise Rejected(
+                request,
+                f"the prompt has {prompt_tokens - kept_from} tokens after tokenization; at most {limit} are allowed",
+            )
+        return kept_from
 
     def _prompt(self, request: EngineRequest) -> tuple[list[int], Any]:
         """The prompt's token ids, and what its images need (vision.py), if it has any."""
@@ -129,6 +194,12 @@ class Admission:
             )
         elif self._vision is None:
             return self._render_chat(request), None
+        elif request.tokenization not in (None, _CHAT_AS_GENERATED):
+            raise Rejected(
+                request,
+                f"model {request.model} renders a chat with its processor's template as for generation: "
+                "add_special_tokens false, add_generation_prompt true, continue_final_message false",
+            )
         else:
             text = self._rendered(request, self._vision.render_chat)
         if self._vision is None:
@@ -144,10 +215,18 @@ class Admission:
         tokenizer = self._tokenizer
         if not tokenizer.chat_template:
             raise Rejected(request, "this model has no chat template; use a completion route")
+        options = request.tokenization or _CHAT_AS_GENERATED
         rendered = self._rendered(
-            request, lambda m, t: tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=True)
+            request,
+            lambda m, t: tokenizer.apply_chat_template(
+                m,
+                tools=t,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                tokenize=False,
+            ),
         )
-        return rendered["input_ids"]
+        return tokenizer(rendered, add_special_tokens=options.add_special_tokens)["input_ids"]
 
     @staticmethod
     def _rendered(request: EngineRequest, render: Callable[[list[dict], list[dict] | None], Any]) -> Any:

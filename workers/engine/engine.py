@@ -77,6 +77,8 @@ class _Cancel:
 
 
 _STOP = object()  # put in the inbox to end the engine thread
+# Tasks the admission answers from the tokenizer alone, between steps, in the inbox's order: no KV, no step.
+_ANSWERED_AT_ONCE = frozenset(("tokenize", "detokenize"))
 
 
 class Engine:
@@ -243,6 +245,8 @@ class Engine:
             self._cancelled_compiling.discard(request.request_id)
             return [unstarted_end(request, FinishReason.STOP_SEQUENCE)]
         try:
+            if request.task in _ANSWERED_AT_ONCE:
+                return [self._admission.answer(request)]
             sequence = self._admission.admit(command)
         except Rejected as rejected:
             return [rejected.event]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.messages import ChatMessage, ContentPart, SamplingParams, Task
+from schemas.messages import ChatMessage, ContentPart, SamplingParams, Task, Tokenization
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class EngineRequest:
     images: tuple[bytes, ...] = ()  # the prompt's images, in order
     tools: list[dict] | None = None  # functions the chat template presents
     truncate: int | None = None  # keep only the prompt's last N tokens
+    tokenization: Tokenization | None = None  # a tokenize request's options; None: as for generation
     # Where its client stands after a failover: tokens it has been sent, and those of them to replay.
     tokens_before: int = 0
     generated_token_ids: tuple[int, ...] = ()

@@ -54,17 +54,42 @@ def simulated_token(seed: int, index: int) -> int:
 
 
 class SimulatedTokenizer:
+    """A Hugging Face tokenizer's calls, as the engine makes them; it has no special tokens to add."""
+
     chat_template = "role: content, one line each"
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
+    def __call__(
+        self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False
+    ) -> dict[str, list]:
         data = text.encode()
-        pieces = (data[i : i + _BYTES_PER_TOKEN] for i in range(0, len(data), _BYTES_PER_TOKEN))
-        return {"input_ids": [_SPECIALS + zlib.crc32(p) % _WORDS for p in pieces]}
+        starts = range(0, len(data), _BYTES_PER_TOKEN)
+        encoded: dict[str, list] = {
+            "input_ids": [_SPECIALS + zlib.crc32(data[i : i + _BYTES_PER_TOKEN]) % _WORDS for i in starts]
+        }
+        if return_offsets_mapping:  # the characters each piece's bytes touch
+            char_of_byte = [index for index, char in enumerate(text) for _ in char.encode()]
+            last_byte = [min(i + _BYTES_PER_TOKEN, len(data)) - 1 for i in starts]
+            encoded["offset_mapping"] = [
+                (char_of_byte[i], char_of_byte[j] + 1) for i, j in zip(starts, last_byte, strict=True)
+            ]
+        return encoded
 
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True, tokenize: bool = True):
+    def apply_chat_template(
+        self,
+        messages,
+        tools=None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tokenize: bool = True,
+    ):
         text = "".join(f"<tools> {tool}\n" for tool in tools or ())
         text += "".join(f"<{m['role']}> {m['content']}\n" for m in messages)
-        return self(text + ("<assistant> " if add_generation_prompt else ""))
+        text = text.removesuffix("\n") if continue_final_message else text
+        text += "<assistant> " if add_generation_prompt else ""
+        return self(text) if tokenize else text
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return [("<pad>", "<s>", "</s>")[t] if t < _SPECIALS else _word(t) for t in token_ids]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(_word(t) for t in token_ids)
