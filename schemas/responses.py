@@ -391,41 +391,41 @@ class _Event(BaseModel):
     sequence_number: int
 
 
-class ResponseCreated(_Event):
+class _LifecycleEvent(_Event):
+    response: ResponseObject
+
+
+class ResponseCreated(_LifecycleEvent):
     type: Literal["response.created"] = "response.created"
-    response: ResponseObject
 
 
-class ResponseInProgress(_Event):
+class ResponseInProgress(_LifecycleEvent):
     type: Literal["response.in_progress"] = "response.in_progress"
-    response: ResponseObject
 
 
-class ResponseCompleted(_Event):
+class ResponseCompleted(_LifecycleEvent):
     type: Literal["response.completed"] = "response.completed"
-    response: ResponseObject
 
 
-class ResponseIncomplete(_Event):
+class ResponseIncomplete(_LifecycleEvent):
     type: Literal["response.incomplete"] = "response.incomplete"
-    response: ResponseObject
 
 
-class ResponseFailed(_Event):
+class ResponseFailed(_LifecycleEvent):
     type: Literal["response.failed"] = "response.failed"
-    response: ResponseObject
 
 
-class OutputItemAdded(_Event):
+class _ItemEvent(_Event):
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemAdded(_ItemEvent):
     type: Literal["response.output_item.added"] = "response.output_item.added"
-    output_index: int
-    item: OutputItem
 
 
-class OutputItemDone(_Event):
+class OutputItemDone(_ItemEvent):
     type: Literal["response.output_item.done"] = "response.output_item.done"
-    output_index: int
-    item: OutputItem
 
 
 class _PartEvent(_Event):
@@ -434,14 +434,16 @@ class _PartEvent(_Event):
     content_index: int
 
 
-class ContentPartAdded(_PartEvent):
+class _WholePartEvent(_PartEvent):
+    part: OutputText
+
+
+class ContentPartAdded(_WholePartEvent):
     type: Literal["response.content_part.added"] = "response.content_part.added"
-    part: OutputText
 
 
-class ContentPartDone(_PartEvent):
+class ContentPartDone(_WholePartEvent):
     type: Literal["response.content_part.done"] = "response.content_part.done"
-    part: OutputText
 
 
 class OutputTextDelta(_PartEvent):
@@ -456,17 +458,18 @@ class OutputTextDone(_PartEvent):
     logprobs: list[dict] = Field(default_factory=list)
 
 
-class FunctionCallArgumentsDelta(_Event):
-    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+class _CallEvent(_Event):
     item_id: str
     output_index: int
+
+
+class FunctionCallArgumentsDelta(_CallEvent):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
     delta: str
 
 
-class FunctionCallArgumentsDone(_Event):
+class FunctionCallArgumentsDone(_CallEvent):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    item_id: str
-    output_index: int
     arguments: str
 
 
