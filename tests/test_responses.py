@@ -68,8 +68,8 @@ def _streamed(client: openai.OpenAI, **ask) -> list:
 def test_text_at_once_and_streamed_is_chat_completions_greedy_text_with_usage_and_the_length_limit(client):
     chat = client.chat.completions.create(model=MODEL, messages=CHAT_CONVERSATION, max_tokens=12, temperature=0)
     ask = dict(model=MODEL, instructions="Be brief.", input=CONVERSATION, max_output_tokens=12, temperature=0)
-    done = _exact(client.responses.create(**ask, store=False))
-    assert done.output_text == chat.choices[0].message.content and done.id.startswith("resp_")
+    done = _exact(client.responses.create(**ask, store=False, extra_headers={"X-Request-Id": "responses-1"}))
+    assert done.output_text == chat.choices[0].message.content and done.id == "resp_responses-1"
     assert chat.choices[0].finish_reason == "length"  # so the response is incomplete, for that reason
     assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
     [message] = done.output
