@@ -77,12 +77,12 @@ def test_text_at_once_and_streamed_is_chat_completions_greedy_text_with_usage_an
     usage = done.usage
     assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert usage.total_tokens == usage.input_tokens + 12 and usage.input_tokens_details.cached_tokens == 0
-    assert (done.instructions, done.max_output_tokens, done.temperature, done.tool_choice) == (
-        "Be brief.",
-        12,
-        0,
-        "none",
-    )
+    assert (done.instructions, done.max_output_tokens, done.temperature) == ("Be brief.", 12, 0)
+    assert done.tool_choice == "none" and done.tools == []
+    # The answer's message goes back as it came, as the next turn's assistant item.
+    turn = [*CONVERSATION, message.to_dict(), {"role": "user", "content": "And?"}]
+    again = client.responses.create(**{**ask, "input": turn})
+    assert again.usage.input_tokens > usage.input_tokens + 2 and again.output_text
 
     events = _streamed(client, **ask)
     assert [event.type for event in events[:4]] == [
