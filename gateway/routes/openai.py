@@ -51,7 +51,7 @@ from schemas.openai_tools import FunctionCallDelta, ToolCallDelta
 router = APIRouter(tags=["OpenAI-compatible"])
 
 _STREAMED = "With `stream`: `data: {chunk}` events, then `data: [DONE]` (not JSON: the end of the stream)."
-_ERRORS = {status: {"model": OpenAIError} for status in (400, 404, 413, 424, 429, 500, 503, 504)}
+OPENAI_ERRORS = {status: {"model": OpenAIError} for status in (400, 404, 413, 424, 429, 500, 503, 504)}
 
 
 def _finish_reason(reason: FinishReason | None) -> str | None:
@@ -290,7 +290,7 @@ async def chat_chunks(connection: HTTPConnection, body: ChatCompletionRequest) -
 @router.post(
     "/v1/completions",
     response_model=Completion,
-    responses={200: event_stream(Completion, _STREAMED, OpenAIError, end="[DONE]"), **_ERRORS},
+    responses={200: event_stream(Completion, _STREAMED, OpenAIError, end="[DONE]"), **OPENAI_ERRORS},
 )
 async def completions(body: CompletionRequest, request: Request):
     """Complete a prompt (OpenAI's legacy completions), at once or as a stream."""
@@ -313,7 +313,7 @@ async def completions(body: CompletionRequest, request: Request):
     response_model=ChatCompletion,
     responses={
         200: event_stream(ChatCompletionChunk, _STREAMED, OpenAIError, end="[DONE]"),
-        **_ERRORS,
+        **OPENAI_ERRORS,
     },
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request):
