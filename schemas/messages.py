@@ -205,6 +205,7 @@ class TokenEvent(BaseModel):
     # On the first event when sampling.prompt_logprobs is set: the prompt's tokens.
     prompt: list[TokenInfo] | None = None
     logprobs: list[TokenInfo] | None = None  # when sampling.logprobs is set: one per token of token_ids
+    embedding: list[float] | None = None  # task embed: the prompt's pooled hidden state, on its one event
     prefill_time_ms: float | None = None  # first token: arrival at the worker to token
     decode_time_ms: float | None = None  # later tokens: since the previous token
     queue_wait_us: int = 0  # how long the sequence waited before this step ran
