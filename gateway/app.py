@@ -14,7 +14,7 @@ from gateway.api_keys import ApiKeys, open_path
 from gateway.errors import install_handlers
 from gateway.media import MediaLoader
 from gateway.request_body import RequestBodies
-from gateway.routes import health, metrics, mindie, openai, tgi, triton, websocket
+from gateway.routes import embeddings, health, metrics, mindie, openai, tgi, triton, websocket
 from gateway.service import GatewayService
 
 
@@ -67,6 +67,7 @@ def create_app(
     app.include_router(mindie.router)
     app.include_router(triton.router)
     app.include_router(openai.router)
+    app.include_router(embeddings.router)
     app.include_router(tgi.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
