@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import replace
 
 import pytest
@@ -27,6 +28,7 @@ from workers.simulated.model import SimulatedModel
 from workers.simulated.profile import Profile
 
 TOLERANCE = 1e-5
+BLOCK_BYTES = 2 * 4 * 32 * 4 * 32 * 4  # layers, block size, KV heads, head dim, float32
 # Steps of 16 tokens (4 sequences at most): the long prompts below take several chunks each.
 SMALL_STEPS = {"max_batch_size": 4, "max_tokens_per_step": 16, "kv_cache_bytes": 64 << 20}
 
@@ -93,6 +95,20 @@ def test_mean_pooled_embeddings_sum_every_chunk_and_take_nothing_from_the_prefix
     again = h.submit(prompts[0], task="embed")
     _check(h.collect([again])[again][0], prompts[0], mean)
     assert h.engine.stats()["reused_tokens"] == 0
+
+
+def test_a_mean_pooled_embedding_preempted_mid_prompt_starts_its_sum_again(loaded, engine_of):
+    mean = Pooling(mean=True, normalize=False)
+    # 33 blocks: the embedding's 32 leave no room for the urgent request, which preempts it.
+    h = engine_of(replace(loaded, pooling=mean), max_batch_size=2, max_seq_len=33 * 32, kv_cache_bytes=33 * BLOCK_BYTES)
+    prompt = _prompts(1, 1000, seed=13)[0]
+    embed = h.submit(prompt, task="embed")
+    while h.engine.free_kv_blocks == 33:  # until it is admitted: then it prefills 16 tokens a step, 63 steps
+        time.sleep(0.001)
+    urgent = h.submit(_prompts(1, 40, seed=14)[0], 4, priority=1)
+    results = h.collect([embed, urgent])
+    assert h.engine.stats()["preemptions"] == 1
+    _check(results[embed][0], prompt, mean)
 
 
 def test_an_urgent_embedding_is_computed_before_waiting_prompts(loaded, engine_of):
