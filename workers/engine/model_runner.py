@@ -10,9 +10,9 @@ cache gets a share of the memory left once the weights, the largest step's
 work and the graphs have theirs. Logits are computed only for the rows a
 token is drawn from, by the output head, and for the prompt rows of requests
 that ask for their prompt's log-probabilities; an embed request's rows are
-pooled instead (pooling.py), from any step, graphed or not. For a vision-language model,
-the step's images are encoded first (vision.py) and their features take the
-place of their placeholder tokens' embeddings.
+pooled instead (pooling.py), from any step, graphed or not. For a
+vision-language model, the step's images are encoded first (vision.py) and
+their features take the place of their placeholder tokens' embeddings.
 """
 
 from __future__ import annotations

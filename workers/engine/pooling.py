@@ -67,7 +67,9 @@ def _read_json(path: str, name: str):
         file = os.path.join(path, name)
         found = file if os.path.isfile(file) else None
     else:
-        found = cached_file(path, name, _raise_exceptions_for_missing_entries=False)
+        found = cached_file(
+            path, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False
+        )
     if found is None:
         return None
     with open(found) as text:
