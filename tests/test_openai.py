@@ -468,6 +468,6 @@ def test_embeddings_inputs_the_model_cannot_take_are_refused_naming_which(server
         client.embeddings.create(model="nope", input="x")
     outside = httpx.post(server.url("/v1/embeddings"), json={"model": MODEL, "input": [[1], [1, 32000]]}, timeout=30)
     assert outside.status_code == 424
-    assert outside.json()["error"]["message"] == "input 1: token id 32000 is outside the vocabulary [0, 32000)"
+    assert outside.json()["error"]["message"] == "input item 1: token id 32000 is outside the vocabulary [0, 32000)"
     long = httpx.post(server.url("/v1/embeddings"), json={"model": MODEL, "input": ["x", "y " * 5000]}, timeout=30)
     assert long.status_code == 424 and "tokens after tokenization; at most" in long.json()["error"]["message"]

@@ -48,7 +48,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
             try:
                 check_prompt_tokens(model, given)
             except ApiError as error:
-                raise ApiError(error.status, error.body.error_type, f"input {index}: {error.body.error}") from None
+                raise ApiError(error.status, error.body.error_type, f"input item {index}: {error.body.error}") from None
 
     def embed(which: int) -> Awaitable[InFlight]:
         given = inputs[which]
@@ -58,7 +58,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
     answers = await complete_all(service, await start_each(service, len(inputs), embed), request)
     vectors = [done.events[-1].embedding for done in answers]
     if None in vectors:  # ended without an error, and without its answer: stopped on its worker
-        raise ApiError(500, INCOMPLETE_GENERATION, f"input {vectors.index(None)} was stopped before its embedding")
+        raise ApiError(500, INCOMPLETE_GENERATION, f"input item {vectors.index(None)} was stopped before its embedding")
     data = [Embedding(index=i, embedding=_encoded(v, body.encoding_format)) for i, v in enumerate(vectors)]
     prompt_tokens = sum(done.prompt_tokens for done in answers)
     return EmbeddingList(
