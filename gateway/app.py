@@ -14,7 +14,7 @@ from gateway.api_keys import ApiKeys, open_path
 from gateway.errors import install_handlers
 from gateway.media import MediaLoader
 from gateway.request_body import RequestBodies
-from gateway.routes import health, metrics, mindie, openai, responses, tgi, tokenize, triton, websocket
+from gateway.routes import embeddings, health, metrics, mindie, openai, responses, tgi, tokenize, triton, websocket
 from gateway.service import GatewayService
 
 
@@ -68,6 +68,7 @@ def create_app(
     app.include_router(triton.router)
     app.include_router(openai.router)
     app.include_router(responses.router)
+    app.include_router(embeddings.router)
     app.include_router(tgi.router)
     app.include_router(tokenize.router)
     app.include_router(health.router)

@@ -230,6 +230,7 @@ class TokenEvent(BaseModel):
     prompt: list[TokenInfo] | None = None
     logprobs: list[TokenInfo] | None = None  # when sampling.logprobs is set: one per token of token_ids
     tokens: list[PromptToken] | None = None  # a tokenize request's answer; a detokenize request's is its text
+    embedding: list[float] | None = None  # task embed: the prompt's pooled hidden state, on its one event
     prefill_time_ms: float | None = None  # first token: arrival at the worker to token
     decode_time_ms: float | None = None  # later tokens: since the previous token
     queue_wait_us: int = 0  # how long the sequence waited before this step ran

@@ -20,7 +20,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from schemas.messages import ChatMessage, FinishReason, SamplingParams, TokenEvent, Tokenization
+from schemas.messages import ChatMessage, FinishReason, SamplingParams, Task, TokenEvent, Tokenization
 from tests.devices import TEST_DEVICE
 from tests.test_cuda_graphs import replay_eagerly
 from workers.bundled import BUNDLED_MODEL
@@ -69,7 +69,14 @@ class Harness:
         return self.events.get(timeout=max(0.0, deadline - time.monotonic()))
 
     def submit(
-        self, prompt, max_new_tokens: int = 16, timeout_s: float = 120, priority: int = 5, generated=(), **sampling
+        self,
+        prompt,
+        max_new_tokens: int = 16,
+        timeout_s: float = 120,
+        priority: int = 5,
+        generated=(),
+        task: Task = "generate",
+        **sampling,
     ) -> str:
         request_id = uuid.uuid4().hex
         now = time.time()
@@ -77,6 +84,7 @@ class Harness:
             EngineRequest(
                 request_id=request_id,
                 model="m",
+                task=task,
                 prompt_text=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=prompt if isinstance(prompt, list) else None,
                 sampling=SamplingParams(seed=sampling.pop("seed", 1), max_new_tokens=max_new_tokens, **sampling),

@@ -2,23 +2,29 @@
 
 Greedy answers are compared with the native generate route's, which is
 checked against transformers elsewhere; so a completion must be exactly the
-same text.
+same text. Embeddings are compared with transformers' own hidden states of
+the bundled model (float32, after the final norm), pooled as the served
+model pools them: the last token's, L2-normalised (it has no
+sentence-transformers modules).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 import torch
 
 from gateway.tool_calls import calls_in
+from schemas.embeddings import MAX_INPUTS
 from schemas.openai import ChatCompletionRequest
-from tests.reference import bundled
+from tests.reference import bundled, embedding
 
 MODEL = "tokenrelay-tiny"
 PROMPT = "The following example"  # greedy: no EOS for hundreds of tokens
@@ -474,3 +480,75 @@ def test_the_openapi_document_describes_the_new_fields(server):
     assert "grammar" in schemas["GenerateParameters"]["properties"]
     assert "best_of_sequences" in schemas["TgiDetails"]["properties"]
     assert "tool_calls" in schemas["AssistantMessage"]["properties"]
+
+
+# -- /v1/embeddings
+
+EMBEDDED = ["The os module provides", "A context manager is", "def main():\n"]
+EMBEDDING_TOLERANCE = 1e-5
+
+
+def _embed_ids(text: str) -> list[int]:
+    return bundled().tokenizer(text)["input_ids"]
+
+
+def _assert_embeds(vector, token_ids: list[int]) -> None:
+    difference = (torch.tensor(vector, dtype=torch.float32) - embedding(token_ids)).abs().max().item()
+    assert difference <= EMBEDDING_TOLERANCE, difference
+
+
+def test_embeddings_of_texts_and_token_arrays_are_transformers_pooled_hidden_states_in_order_with_usage(client):
+    one = client.embeddings.create(model=MODEL, input=EMBEDDED[0], encoding_format="float")
+    assert [d.index for d in one.data] == [0] and one.model == MODEL and one.object == "list"
+    _assert_embeds(one.data[0].embedding, _embed_ids(EMBEDDED[0]))
+    assert one.usage.prompt_tokens == one.usage.total_tokens == len(_embed_ids(EMBEDDED[0]))
+
+    many = client.embeddings.create(model="gpt-tiny", input=EMBEDDED, encoding_format="float")
+    assert [d.index for d in many.data] == [0, 1, 2]
+    for done, text in zip(many.data, EMBEDDED, strict=True):
+        _assert_embeds(done.embedding, _embed_ids(text))
+    assert many.usage.prompt_tokens == many.usage.total_tokens == sum(len(_embed_ids(t)) for t in EMBEDDED)
+
+    tokens = client.embeddings.create(model=MODEL, input=_embed_ids(EMBEDDED[1]), encoding_format="float")
+    _assert_embeds(tokens.data[0].embedding, _embed_ids(EMBEDDED[1]))
+    arrays = client.embeddings.create(model=MODEL, input=[_embed_ids(t) for t in EMBEDDED], encoding_format="float")
+    for done, text in zip(arrays.data, EMBEDDED, strict=True):
+        _assert_embeds(done.embedding, _embed_ids(text))
+    assert arrays.usage.prompt_tokens == many.usage.prompt_tokens
+
+
+def test_base64_embeddings_are_the_float_answers_little_endian_float32_bytes(client):
+    # One input, alone in its steps each time: the same vector to the bit (inputs batched otherwise need not be).
+    floats = client.embeddings.create(model=MODEL, input=EMBEDDED[0], encoding_format="float").data[0].embedding
+    raw = client.embeddings.create(model=MODEL, input=EMBEDDED[0], encoding_format="base64").data[0].embedding
+    assert np.frombuffer(base64.b64decode(raw), dtype="<f4").tolist() == floats
+    # Without encoding_format the SDK asks for base64 and decodes it itself.
+    assert client.embeddings.create(model=MODEL, input=EMBEDDED[0]).data[0].embedding == floats
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"input": "x", "dimensions": 64}, "dimensions: no model here is served with shortened embeddings"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "x", "truncate": 4}, "truncate is not a known field"),
+        ({"input": []}, "input: there is nothing to embed"),
+        ({"input": ["x", ""]}, "input: item 1 is empty"),
+        ({"input": ["x"] * (MAX_INPUTS + 1)}, f"at most {MAX_INPUTS} inputs per request are allowed; received 2049"),
+        ({"input": [[1, -1]]}, "input"),
+    ],
+)
+def test_bad_embeddings_input_is_a_400_naming_the_field(server, body, named):
+    answer = httpx.post(server.url("/v1/embeddings"), json={"model": MODEL, **body}, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert named in answer.json()["error"]["message"]
+
+
+def test_embeddings_inputs_the_model_cannot_take_are_refused_naming_which(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="x")
+    outside = httpx.post(server.url("/v1/embeddings"), json={"model": MODEL, "input": [[1], [1, 32000]]}, timeout=30)
+    assert outside.status_code == 424
+    assert outside.json()["error"]["message"] == "input item 1: token id 32000 is outside the vocabulary [0, 32000)"
+    long = httpx.post(server.url("/v1/embeddings"), json={"model": MODEL, "input": ["x", "y " * 5000]}, timeout=30)
+    assert long.status_code == 424 and "tokens after tokenization; at most" in long.json()["error"]["message"]

@@ -65,10 +65,10 @@ class BlockManager:
         """Blocks holding the computed KV of the sequence's first tokens, from other sequences or its own past.
 
         At least the last token is left out, so that a step still computes the
-        logits to sample from. A request that asks for its prompt's
-        log-probabilities reuses none: every prompt token's logits are computed.
+        logits to sample from (or the hidden state to pool). A request that
+        needs every prompt token's hidden state reuses none (Sequence.computes_whole_prompt).
         """
-        if sequence.request.sampling.prompt_logprobs is not None:
+        if sequence.computes_whole_prompt:
             return []
         found: list[int] = []
         previous = 0

@@ -6,7 +6,9 @@ cancellations in through a thread-safe inbox; between steps the engine admits
 them, and after each step hands out the step's events through `on_step`,
 which must not block. Each step: the scheduler picks chunks, the model runner
 computes them in one forward pass, the sampler draws a token for every
-sequence whose chunk reached its end, and finished sequences free their blocks.
+sequence whose chunk reached its end (an embed request's prompt is pooled
+instead, and that ends it: workers/engine/pooling.py), and finished
+sequences free their blocks.
 A request more urgent than every running one does not wait for the step
 in flight where the runner pauses between layers (on the CPU): its own
 step runs there, and its first token goes out at once.
@@ -69,6 +71,10 @@ class Model(Protocol):
 
     def vision(self) -> Any:
         """A workers/engine/vision.py Vision for a vision-language model; None: text only."""
+
+    @property
+    def pooling(self) -> Any:
+        """How its embeddings are pooled (workers/engine/pooling.py's Pooling); None: embeddings are not served."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +254,10 @@ class Engine:
             if request.task in _ANSWERED_AT_ONCE:
                 return [self._admission.answer(request)]
             sequence = self._admission.admit(command)
+            if request.task == "embed":
+                if self._loaded.pooling is None:
+                    raise Rejected(request, f"model {request.model} does not compute embeddings")
+                sequence.pooling = self._loaded.pooling
         except Rejected as rejected:
             return [rejected.event]
         if sequence.generated and self._out_of_room(sequence, len(sequence.generated)):
@@ -327,11 +337,12 @@ class Engine:
         for chunk, token, scored in zip(drawing, output.tokens, output.logprobs, strict=True):
             sequence = chunk.sequence
             finish = self._finish_reason(sequence, token)
-            event = sequence.append(token, scored, started_at, len(chunks), finish)
-            events.append(event)
+            events.append(sequence.append(token, scored, started_at, len(chunks), finish))
+        for request_id, vector in output.embeddings.items():
+            events.append(self._sequences[request_id].embedded(vector, len(chunks)))
+        for event in events:
             if event.finish_reason is not None:
-                self._scheduler.remove(sequence)
-                del self._sequences[sequence.request_id]
+                self._scheduler.remove(self._sequences.pop(event.request_id))
         return events
 
     def _finish_reason(self, sequence: Sequence, token: int) -> FinishReason | None:

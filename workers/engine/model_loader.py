@@ -15,6 +15,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from workers.bundled import DTYPE_NAMES
+from workers.engine.pooling import Pooling
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -36,6 +37,7 @@ class LoadedModel:
     max_position_embeddings: int
     eos_token_ids: frozenset[int]
     processor: object = None  # a vision-language model's (images to placeholders and pixels); None: text only
+    pooling: Pooling | None = Pooling()  # how its embeddings are pooled (pooling.py); None: not served
 
     @property
     def device_type(self) -> str:
@@ -78,10 +80,10 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None) -> Loa
     if _is_vision(AutoConfig.from_pretrained(path)):
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=chosen).to(target).eval()
-        return _loaded(model, processor.tokenizer, target, str(path), processor)
+        return _loaded(model, processor.tokenizer, target, str(path), processor, pooling=Pooling.of_model(str(path)))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen).to(target).eval()
-    return _loaded(model, tokenizer, target, str(path))
+    return _loaded(model, tokenizer, target, str(path), pooling=Pooling.of_model(str(path)))
 
 
 def random_model(
@@ -94,7 +96,7 @@ def random_model(
     auto = AutoModelForImageTextToText if _is_vision(config) else AutoModelForCausalLM
     with torch.device(target):  # a copy of the config: the engine sets its attention on the model's own
         model = auto.from_config(copy.deepcopy(config), dtype=chosen).eval()
-    return _loaded(model, tokenizer, target, f"random {config.model_type}", processor)
+    return _loaded(model, tokenizer, target, f"random {config.model_type}", processor, pooling=Pooling())
 
 
 def _is_vision(config: transformers.PretrainedConfig) -> bool:
@@ -116,7 +118,9 @@ def keep_freed_memory() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
 
 
-def _loaded(model, tokenizer, device: torch.device, source: str, processor=None) -> LoadedModel:
+def _loaded(
+    model, tokenizer, device: torch.device, source: str, processor=None, *, pooling: Pooling | None
+) -> LoadedModel:
     if device.type == "cpu":
         keep_freed_memory()
     config = model.config.get_text_config()
@@ -131,4 +135,5 @@ def _loaded(model, tokenizer, device: torch.device, source: str, processor=None)
         max_position_embeddings=getattr(config, "max_position_embeddings", None) or 1024 * 1024,
         eos_token_ids=frozenset([eos] if isinstance(eos, int) else (eos or [])),
         processor=processor,
+        pooling=pooling,
     )

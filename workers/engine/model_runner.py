@@ -9,9 +9,10 @@ step that only decodes replays a CUDA graph (cuda_graphs.py), and the KV
 cache gets a share of the memory left once the weights, the largest step's
 work and the graphs have theirs. Logits are computed only for the rows a
 token is drawn from, by the output head, and for the prompt rows of requests
-that ask for their prompt's log-probabilities. For a vision-language model,
-the step's images are encoded first (vision.py) and their features take the
-place of their placeholder tokens' embeddings.
+that ask for their prompt's log-probabilities; an embed request's rows are
+pooled instead (pooling.py), from any step, graphed or not. For a
+vision-language model, the step's images are encoded first (vision.py) and
+their features take the place of their placeholder tokens' embeddings.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.grammar import allowed_tokens
 from workers.engine.output_head import OutputHead
+from workers.engine.pooling import PooledRows
 from workers.engine.sampler import Draw, DrawBatch, choose, sample, score
 from workers.engine.scheduler import Chunk
 from workers.engine.step_output import Scored, StepOutput
@@ -285,9 +287,12 @@ class ModelRunner:
         self._encode_images(chunks)
         step = layout_step(chunks, self.block_size)
         prompt = PromptScoring.of(chunks, step)
-        hidden = self.forward(replace(step, sample_rows=step.sample_rows + prompt.rows))
+        pooled = PooledRows.of(chunks, step.first_rows)
+        hidden = self.forward(replace(step, sample_rows=step.sample_rows + prompt.rows + pooled.rows))
+        scored = len(drawing) + len(prompt.rows)  # the rows drawn from, then those scored, then those pooled
         tokens, logprobs = sample(self.head, hidden[: len(drawing)], draws)
-        return StepOutput(tokens, logprobs, self._score_prompt(hidden[len(drawing) :], prompt))
+        prompt_scores = self._score_prompt(hidden[len(drawing) : scored], prompt)
+        return StepOutput(tokens, logprobs, prompt_scores, pooled.pool(hidden[scored:]))
 
     def _encode_images(self, chunks: list[Chunk]) -> None:
         """Encode the images of the sequences whose placeholders this step reaches first, in one batch."""

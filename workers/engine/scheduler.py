@@ -41,9 +41,15 @@ class Chunk:
     num_tokens: int
 
     @property
-    def samples(self) -> bool:
-        """Whether the chunk reaches the sequence's last token, so that a new token is drawn."""
+    def reaches_end(self) -> bool:
+        """Whether the chunk reaches the sequence's last token."""
         return self.sequence.num_cached_tokens + self.num_tokens == self.sequence.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether a new token is drawn after the chunk: it reaches the end of a sequence that generates (an
+        embed request's prompt is pooled instead, workers/engine/pooling.py)."""
+        return self.reaches_end and self.sequence.pooling is None
 
 
 class Scheduler:
@@ -170,7 +176,7 @@ class Scheduler:
         the same prompt sent twice): the candidate waits for it, and then takes that prompt's KV from the
         prefix cache rather than computing it again."""
         size = self._blocks.block_size
-        if len(candidate.prompt_ids) <= size or candidate.request.sampling.prompt_logprobs is not None:
+        if len(candidate.prompt_ids) <= size or candidate.computes_whole_prompt:
             return False
         head = block_content(candidate, 0, size)  # an image there counts: another image is another block
         return any(s.num_cached_tokens < size and block_content(s, 0, size) == head for s in self.running)

@@ -13,7 +13,8 @@ from workers.engine.request import EngineRequest
 from workers.engine.step_output import Scored
 from workers.engine.stop_strings import StopStrings
 
-if TYPE_CHECKING:  # vision.py imports torch, which a simulated worker does without
+if TYPE_CHECKING:  # vision.py and pooling.py import torch, which a simulated worker does without
+    from workers.engine.pooling import Pooling
     from workers.engine.vision import SequenceImages
 
 
@@ -46,6 +47,10 @@ class Sequence:
     prompt_scores: list[Scored] = field(default_factory=list)  # [i] scores prompt token i + 1, when asked
     matcher: Any = None  # an llguidance LLMatcher when the request has a grammar (workers/engine/grammar.py)
     images: SequenceImages | None = None  # a vision-language model's prompt images (workers/engine/vision.py)
+    # An embed request's: how its prompt's hidden states become its answer (workers/engine/pooling.py); None
+    # for a request that generates.
+    pooling: Pooling | None = None
+    pooled_sum: Any = None  # mean pooling: its prompt rows' hidden states summed so far (a tensor)
 
     @property
     def request_id(self) -> str:
@@ -54,6 +59,12 @@ class Sequence:
     @property
     def priority(self) -> int:
         return self.request.priority
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt token's hidden state is needed (for the prompt's log-probabilities, or a mean
+        pooled embedding), so that none may come from the prefix cache."""
+        return self.request.sampling.prompt_logprobs is not None or (self.pooling is not None and self.pooling.mean)
 
     @property
     def token_ids(self) -> list[int]:
@@ -157,6 +168,22 @@ class Sequence:
         )
         self.last_token_at = now
         return event
+
+    def embedded(self, vector: list[float], batch_size: int) -> TokenEvent:
+        """An embed request's one event: its pooled prompt, which ends it (finish length: it asks for no token)."""
+        now = time.monotonic()
+        self.finish_reason = FinishReason.LENGTH
+        return TokenEvent(
+            request_id=self.request_id,
+            attempt=self.request.attempt,
+            index=self.next_index,
+            prompt_tokens=len(self.prompt_ids),
+            embedding=vector,
+            prefill_time_ms=(now - self.received_at) * 1000,
+            queue_wait_us=int(max(0.0, (self.admitted_at or now) - self.received_at) * 1e6),
+            batch_size=batch_size,
+            finish_reason=self.finish_reason,
+        )
 
     def stop(self, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
         """End the sequence without a new token (cancelled, expired, failed)."""

@@ -1,4 +1,4 @@
-"""What one engine step yields: each drawn token, and the log-probabilities its request asked for.
+"""What one engine step yields: each drawn token, the log-probabilities its request asked for, embeddings.
 
 A log-probability is the log-softmax of the model's raw logits, before
 temperature, penalties and filtering (vLLM's default, `raw_logprobs`): what
@@ -24,3 +24,5 @@ class StepOutput:
     logprobs: list[Scored | None]  # per drawing chunk: its token's scores, when its request asks for them
     # Request id -> scores of the prompt tokens its chunk predicts (each row scores the token after it).
     prompt_logprobs: dict[str, list[Scored]] = field(default_factory=dict)
+    # Request id -> the embedding of each embed request whose prompt the step completed (pooling.py).
+    embeddings: dict[str, list[float]] = field(default_factory=dict)

@@ -9,7 +9,7 @@ exactly. Nothing here imports torch or loads weights.
 Its tokenizer cuts UTF-8 text into 4-byte pieces (so equal prefixes give
 equal tokens, as a real tokenizer's do) and spells every token as three
 letters and a space; generation never draws EOS, so a request gets its
-max_new_tokens.
+max_new_tokens. It has no hidden states, so it computes no embeddings.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class SimulatedModel:
     max_position_embeddings: int = 1024 * 1024
     eos_token_ids: frozenset[int] = frozenset([EOS])
     device_type: str = "sim"
+    pooling: None = None  # no hidden states to pool: embed requests are refused (424), naming the model
 
     def runner(self, config: EngineConfig, capture=None) -> SimulatedRunner:
         return SimulatedRunner(self.profile, config)

@@ -1,0 +1,93 @@
+"""OpenAI's embeddings body and answer: POST /v1/embeddings.
+
+Each input (a text, or token ids) is embedded apart, by a request of its own
+to a worker, and answered at its `index`. `dimensions` is refused (400)
+whatever its value: no model is served here with shortened embeddings (a
+Matryoshka model's truncation is not read from its directory), so a vector
+always has the model's hidden size, and a client that asks for fewer must
+not believe it got them. Any other unknown field is refused by name (400),
+as on the other /v1 routes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from schemas.parameters import BODY, INT32_MAX
+
+MAX_INPUTS = 2048  # per request, as OpenAI allows: each is a request of its own to a worker
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Inputs = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings."""
+
+    model_config = BODY
+
+    model: str = Field(description="A served model name (GET /v1/models).")
+    input: Inputs = Field(
+        description=f"A text, texts, token ids, or arrays of token ids: each a separate embedding (at most "
+        f"{MAX_INPUTS}), tokenized as a completion's prompt, within the model's prompt length."
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each embedding's little-endian float32 bytes, in base64."
+    )
+    dimensions: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="Refused: no model here is served with shortened embeddings."
+    )
+    user: str | None = Field(None, description="Accepted, for logs.")
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, given: Inputs) -> Inputs:
+        inputs = _each(given)
+        if not inputs:
+            raise ValueError("there is nothing to embed")
+        if len(inputs) > MAX_INPUTS:
+            raise ValueError(f"at most {MAX_INPUTS} inputs per request are allowed; received {len(inputs)}")
+        empty = next((index for index, one in enumerate(inputs) if not one), None)
+        if empty is not None:
+            raise ValueError(f"item {empty} is empty")
+        return given
+
+    @field_validator("dimensions")
+    @classmethod
+    def _full_size_only(cls, dimensions: int | None) -> int | None:
+        if dimensions is not None:
+            raise ValueError("no model here is served with shortened embeddings; leave it out for the full size")
+        return dimensions
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """Each input to embed, in order: a text, or token ids."""
+        return _each(self.input)
+
+
+def _each(given: Inputs) -> list[str | list[int]]:
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        return [given]
+    return list(given)
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int = Field(description="The input's place in `input`.")
+    embedding: list[float] | str = Field(
+        description="The vector, of the model's hidden size; with encoding_format base64, its float32 bytes."
+    )
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = Field(description="Tokens of every input.")
+    total_tokens: int = Field(description="The same: nothing is generated.")
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
