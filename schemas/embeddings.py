@@ -11,16 +11,14 @@ as on the other /v1 routes.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
 from schemas.parameters import BODY, INT32_MAX
+from schemas.prompt_forms import Prompt, PromptForms, check_prompts, each_prompt
 
 MAX_INPUTS = 2048  # per request, as OpenAI allows: each is a request of its own to a worker
-
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Inputs = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class EmbeddingRequest(BaseModel):
@@ -29,7 +27,7 @@ class EmbeddingRequest(BaseModel):
     model_config = BODY
 
     model: str = Field(description="A served model name (GET /v1/models).")
-    input: Inputs = Field(
+    input: PromptForms = Field(
         description=f"A text, texts, token ids, or arrays of token ids: each a separate embedding (at most "
         f"{MAX_INPUTS}), tokenized as a completion's prompt, within the model's prompt length."
     )
@@ -43,16 +41,8 @@ class EmbeddingRequest(BaseModel):
 
     @field_validator("input")
     @classmethod
-    def _inputs(cls, given: Inputs) -> Inputs:
-        inputs = _each(given)
-        if not inputs:
-            raise ValueError("there is nothing to embed")
-        if len(inputs) > MAX_INPUTS:
-            raise ValueError(f"at most {MAX_INPUTS} inputs per request are allowed; received {len(inputs)}")
-        empty = next((index for index, one in enumerate(inputs) if not one), None)
-        if empty is not None:
-            raise ValueError(f"item {empty} is empty")
-        return given
+    def _inputs(cls, given: str | list) -> str | list:
+        return check_prompts(given, MAX_INPUTS)
 
     @field_validator("dimensions")
     @classmethod
@@ -62,15 +52,9 @@ class EmbeddingRequest(BaseModel):
         return dimensions
 
     @property
-    def inputs(self) -> list[str | list[int]]:
+    def inputs(self) -> list[Prompt]:
         """Each input to embed, in order: a text, or token ids."""
-        return _each(self.input)
-
-
-def _each(given: Inputs) -> list[str | list[int]]:
-    if isinstance(given, str) or (given and isinstance(given[0], int)):
-        return [given]
-    return list(given)
+        return each_prompt(self.input)
 
 
 class Embedding(BaseModel):

@@ -14,49 +14,21 @@ temperature, penalties and filtering (vLLM's default).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from schemas.messages import ChatMessage, ImagePart, SamplingParams, TokenInfo
 from schemas.messages import TextPart as WireTextPart
 from schemas.multimodal import MAX_ITEMS
 from schemas.openai_tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta
 from schemas.parameters import BODY, INT32_MAX
+from schemas.prompt_forms import Prompt, PromptForms, check_prompts, each_prompt
 
 SEED_MAX = 2**63 - 1
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # JSON object keys are strings
 MAX_CHOICES = 16  # each choice is a request of its own to a worker
 MAX_PROMPTS = 256  # prompts in one completions request, as many of vLLM's evaluation clients batch them
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-
-
-def _prompt_form(prompt: Any) -> str:
-    """Which of OpenAI's four prompt forms a value is meant as, from its shape: its errors are then that form's."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return "texts"
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        return "token arrays"
-    return "text" if isinstance(prompt, str) else "token ids"
-
-
-PromptForms = Annotated[
-    Annotated[str, Tag("text")]
-    | Annotated[list[str], Tag("texts")]
-    | Annotated[list[TokenId], Tag("token ids")]
-    | Annotated[list[list[TokenId]], Tag("token arrays")],
-    Discriminator(_prompt_form),
-]
 
 
 class StreamOptions(BaseModel):
@@ -197,11 +169,9 @@ class CompletionRequest(_Sampling):
     )
 
     @property
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> list[Prompt]:
         """Each prompt, as text or as token ids: its choices are requests of their own."""
-        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
+        return each_prompt(self.prompt)
 
     @property
     def prompts_are_text(self) -> bool:
@@ -227,33 +197,10 @@ class CompletionRequest(_Sampling):
             return None
         return self.logprobs if self.logprobs is not None else (None if self.prompts_are_text else 0)
 
-    @field_validator("prompt", mode="wrap")
-    @classmethod
-    def _in_its_form(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> str | list:
-        """A prompt's errors in its form's terms, where in it they are ("0.3": the first prompt's fourth id)."""
-        try:
-            return handler(prompt)
-        except ValidationError as error:
-            wrong = error.errors()[0]
-            where = ".".join(str(part) for part in wrong["loc"][1:])
-            received = wrong["input"] if not isinstance(wrong["input"], dict | list) else type(wrong["input"]).__name__
-            raise ValueError(
-                f"{'item ' + where + ': ' if where else ''}{wrong['msg']}; received {received!r} "
-                f"(a prompt is a text, texts, token ids or arrays of token ids)"
-            ) from None
-
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, prompt: str | list) -> str | list:
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
-            if len(prompt) > MAX_PROMPTS:
-                raise ValueError(f"at most {MAX_PROMPTS} prompts per request are served; received {len(prompt)}")
-            empty = next((i for i, tokens in enumerate(prompt) if isinstance(tokens, list) and not tokens), None)
-            if empty is not None:
-                raise ValueError(f"prompt {empty} has no token ids")
-        return prompt
+        return check_prompts(prompt, MAX_PROMPTS)
 
     @field_validator("max_tokens")
     @classmethod

@@ -139,12 +139,12 @@ def test_completion_prompt_forms_out_of_bounds_are_400s_naming_prompt(server):
         return answer.json()["error"]
 
     many = refused(["x"] * 257)
-    assert many["param"] == "prompt" and "at most 256 prompts per request" in many["message"]
+    assert many["param"] == "prompt" and "prompt: at most 256 per request are served; received 257" in many["message"]
     negative = refused([[1, 2], [3, -1]])
     assert (
         negative["param"] == "prompt" and "item 1.1: Input should be greater than or equal to 0" in negative["message"]
     )
-    assert "prompt 1 has no token ids" in refused([[1], []])["message"]
+    assert "prompt: item 1 is empty" in refused([[1], []])["message"]
     assert refused("x", max_tokens=0)["param"] == "max_tokens"
 
 
@@ -532,9 +532,9 @@ def test_base64_embeddings_are_the_float_answers_little_endian_float32_bytes(cli
         ({"input": "x", "dimensions": 64}, "dimensions: no model here is served with shortened embeddings"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "x", "truncate": 4}, "truncate is not a known field"),
-        ({"input": []}, "input: there is nothing to embed"),
+        ({"input": []}, "input: it is empty"),
         ({"input": ["x", ""]}, "input: item 1 is empty"),
-        ({"input": ["x"] * (MAX_INPUTS + 1)}, f"at most {MAX_INPUTS} inputs per request are allowed; received 2049"),
+        ({"input": ["x"] * (MAX_INPUTS + 1)}, f"input: at most {MAX_INPUTS} per request are served; received 2049"),
         ({"input": [[1, -1]]}, "input"),
     ],
 )
