@@ -124,6 +124,14 @@ def spawn(tmp_path: Path) -> Iterator:
 
 
 @pytest.fixture(scope="session")
+def compat_client(compat_server):
+    """The official OpenAI SDK's client of `compat_server`, as users make one."""
+    import openai
+
+    return openai.OpenAI(base_url=compat_server.url("/v1"), api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
 def compat_server(tmp_path_factory):
     """One `tokenrelay serve` for the OpenAI and TGI client tests (two names for the bundled model)."""
     with serving(tmp_path_factory.mktemp("compat"), "--served-model-name", "tokenrelay-tiny", "gpt-tiny") as served:

@@ -36,8 +36,8 @@ def server(compat_server):
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=60)
+def client(compat_client) -> openai.OpenAI:
+    return compat_client
 
 
 def _native(server, prompt: str, max_new_tokens: int) -> str:

@@ -43,16 +43,6 @@ CHAT_CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(compat_server):
-    return compat_server
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=60)
-
-
 def _exact(response: Response) -> Response:
     """The response, validated as the SDK's type (the SDK itself builds it without validation)."""
     return Response.model_validate(response.to_dict())
@@ -65,10 +55,10 @@ def _streamed(client: openai.OpenAI, **ask) -> list:
     return events
 
 
-def test_text_at_once_and_streamed_is_chat_completions_greedy_text_with_usage_and_the_length_limit(client):
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT_CONVERSATION, max_tokens=12, temperature=0)
+def test_text_at_once_and_streamed_is_chat_completions_greedy_text_with_usage_and_the_length_limit(compat_client):
+    chat = compat_client.chat.completions.create(model=MODEL, messages=CHAT_CONVERSATION, max_tokens=12, temperature=0)
     ask = dict(model=MODEL, instructions="Be brief.", input=CONVERSATION, max_output_tokens=12, temperature=0)
-    done = _exact(client.responses.create(**ask, store=False, extra_headers={"X-Request-Id": "responses-1"}))
+    done = _exact(compat_client.responses.create(**ask, store=False, extra_headers={"X-Request-Id": "responses-1"}))
     assert done.output_text == chat.choices[0].message.content and done.id == "resp_responses-1"
     assert chat.choices[0].finish_reason == "length"  # so the response is incomplete, for that reason
     assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
@@ -81,10 +71,10 @@ def test_text_at_once_and_streamed_is_chat_completions_greedy_text_with_usage_an
     assert done.tool_choice == "none" and done.tools == []
     # The answer's message goes back as it came, as the next turn's assistant item.
     turn = [*CONVERSATION, message.to_dict(), {"role": "user", "content": "And?"}]
-    again = client.responses.create(**{**ask, "input": turn})
+    again = compat_client.responses.create(**{**ask, "input": turn})
     assert again.usage.input_tokens > usage.input_tokens + 2 and again.output_text
 
-    events = _streamed(client, **ask)
+    events = _streamed(compat_client, **ask)
     assert [event.type for event in events[:4]] == [
         "response.created",
         "response.in_progress",
@@ -105,7 +95,7 @@ def test_text_at_once_and_streamed_is_chat_completions_greedy_text_with_usage_an
     assert {event.item_id for event in deltas} == {final.output[0].id}
 
 
-def test_a_forced_function_call_at_once_through_the_sdks_stream_helper_and_its_result_sent_back(client):
+def test_a_forced_function_call_at_once_through_the_sdks_stream_helper_and_its_result_sent_back(compat_client):
     ask = dict(
         model=MODEL,
         input="Add two numbers.",
@@ -114,13 +104,13 @@ def test_a_forced_function_call_at_once_through_the_sdks_stream_helper_and_its_r
         max_output_tokens=40,
         temperature=0,
     )
-    done = _exact(client.responses.create(**ask))
+    done = _exact(compat_client.responses.create(**ask))
     [call] = done.output
     assert call.type == "function_call" and call.name == "add" and done.status == "completed"
     assert call.id.startswith("fc_") and call.call_id.startswith("call_") and call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), ADD["parameters"])
 
-    with client.responses.stream(**ask) as stream:  # the SDK's own accumulation of the events
+    with compat_client.responses.stream(**ask) as stream:  # the SDK's own accumulation of the events
         kinds = [EVENT.validate_python(event.model_dump(exclude={"snapshot"})).type for event in stream]
         final = stream.get_final_response()
     assert kinds[2] == "response.output_item.added" and "response.function_call_arguments.delta" in kinds
@@ -128,7 +118,7 @@ def test_a_forced_function_call_at_once_through_the_sdks_stream_helper_and_its_r
     [streamed] = final.output
     assert (streamed.name, streamed.arguments) == ("add", call.arguments)
 
-    required = client.responses.create(**{**ask, "tool_choice": "required", "parallel_tool_calls": False})
+    required = compat_client.responses.create(**{**ask, "tool_choice": "required", "parallel_tool_calls": False})
     [any_call] = required.output
     jsonschema.validate(
         json.loads(any_call.arguments), {"get_weather": WEATHER, "add": ADD}[any_call.name]["parameters"]
@@ -138,13 +128,15 @@ def test_a_forced_function_call_at_once_through_the_sdks_stream_helper_and_its_r
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
     turn = [{"role": "user", "content": "Add two numbers."}, call.to_dict(), result]
     after = _exact(
-        client.responses.create(model=MODEL, input=turn, tools=[WEATHER, ADD], max_output_tokens=5, temperature=0)
+        compat_client.responses.create(
+            model=MODEL, input=turn, tools=[WEATHER, ADD], max_output_tokens=5, temperature=0
+        )
     )
     assert after.output[0].type == "message" and after.output_text
     assert after.usage.input_tokens > done.usage.input_tokens + len(call.arguments) // 4
 
 
-def test_a_json_schema_text_format_at_once_and_through_the_stream_helper(client):
+def test_a_json_schema_text_format_at_once_and_through_the_stream_helper(compat_client):
     answer_format = {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}
     ask = dict(
         model=MODEL,
@@ -153,13 +145,13 @@ def test_a_json_schema_text_format_at_once_and_through_the_stream_helper(client)
         max_output_tokens=150,
         temperature=0,
     )
-    done = _exact(client.responses.create(**ask))
+    done = _exact(compat_client.responses.create(**ask))
     assert done.status == "completed" and done.text.format.type == "json_schema"
     jsonschema.validate(json.loads(done.output_text), SCHEMA)
-    with client.responses.stream(**ask) as stream:
+    with compat_client.responses.stream(**ask) as stream:
         final = stream.get_final_response()
     assert final.output_text == done.output_text
-    anything = client.responses.create(
+    anything = compat_client.responses.create(
         model=MODEL, input="x", text={"format": {"type": "json_object"}}, max_output_tokens=8, temperature=0
     )
     assert anything.output_text.startswith('{"')
@@ -171,10 +163,10 @@ def _png() -> str:
     return "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
 
 
-def test_bad_bodies_are_400s_naming_the_field(server, client):
+def test_bad_bodies_are_400s_naming_the_field(compat_server, compat_client):
     def refused(**ask) -> str:
         with pytest.raises(openai.BadRequestError) as error:
-            client.responses.create(**{"model": MODEL, "input": "x", **ask})
+            compat_client.responses.create(**{"model": MODEL, "input": "x", **ask})
         assert set(error.value.body) == {"message", "type", "param", "code"}
         return error.value.body["message"]
 
@@ -195,7 +187,7 @@ def test_bad_bodies_are_400s_naming_the_field(server, client):
     assert "an item's type is message" in refused(input=[{"type": "reasoning", "summary": []}])
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": _png(), "detail": "auto"}]}]
     assert "does not accept image input" in refused(input=image)  # the bundled model reads text only
-    raw = httpx.post(server.url("/v1/responses"), json={"model": MODEL, "input": []}, timeout=10)
+    raw = httpx.post(compat_server.url("/v1/responses"), json={"model": MODEL, "input": []}, timeout=10)
     assert raw.status_code == 400 and "List should have at least 1 item" in raw.json()["error"]["message"]
 
 
