@@ -250,13 +250,16 @@ class LocalBus(Bus):
             except (asyncio.IncompleteReadError, ConnectionError):
                 log.error("bus_server_gone", path=self._path)
                 for reply in self._replies.values():
-                    reply.set_exception(BusUnavailable("the bus server is gone"))
+                    if not reply.done():
+                        reply.set_exception(BusUnavailable("the bus server is gone"))
                 self._replies.clear()
                 self._writer.close()
                 self._on_lost()
                 return
             if kind in (_REPLY, _ERROR):
                 reply = self._replies.pop(ident)
+                if reply.done():  # its caller was cancelled (a drain, a stop) while it waited: nobody wants it
+                    continue
                 if kind == _REPLY:
                     reply.set_result(json.loads(body))
                 else:

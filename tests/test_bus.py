@@ -180,6 +180,25 @@ async def test_publishing_to_a_topic_nobody_created_fails_in_process():
         await bus.publish(f"nowhere.{uuid.uuid4().hex}", CancelRequest(request_id="x", reason="x", deadline=0.0))
 
 
+async def test_a_reply_whose_caller_was_cancelled_leaves_the_socket_bus_working(tmp_path, topic_prefix):
+    """serve's engine process: a publish cancelled while its reply is on the way (a drain's, a stop's) must not
+    kill the reader, which the engine process exits with (a drain under load failed so)."""
+    server = LocalBusServer(InProcessBus(), str(tmp_path / "bus.sock"))
+    await server.start()
+    bus = LocalBus(str(tmp_path / "bus.sock"), metrics=lambda: b"")
+    await bus.start()
+    topic = f"{topic_prefix}.t"
+    await bus.create_topics({topic: 1})
+    cancelled = asyncio.create_task(bus.publish(topic, CancelRequest(request_id="x", reason="x", deadline=0.0)))
+    await asyncio.sleep(0)  # sent; its reply not read yet
+    cancelled.cancel()
+    async with asyncio.timeout(10):  # answered: the reader lives (a dead one would leave it waiting for ever)
+        await bus.publish(topic, CancelRequest(request_id="y", reason="y", deadline=0.0))
+    assert cancelled.cancelled() and not bus._reading.done()
+    await bus.close()
+    await server.close()
+
+
 async def test_a_rebuilt_listener_goes_on_where_it_stopped(bus, topic_prefix):
     topic = f"{topic_prefix}.control"
     await bus.create_topics({topic: 1})
