@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from schemas.openai import OpenAIError
 from schemas.placement import as_named, discriminator_values, dotted, where_it_belongs
 
 VALIDATION_ERROR = "Input Validation Error"
@@ -31,6 +32,8 @@ class ErrorBody(BaseModel):
 
 # What a generation route (MindIE, Triton, TGI) may answer besides its 200, for the OpenAPI document.
 GENERATION_ERRORS = {status: {"model": ErrorBody} for status in (404, 413, 422, 424, 429, 500, 503, 504)}
+# And an OpenAI-compatible one (/v1/...), in OpenAI's shape.
+OPENAI_ERRORS = {status: {"model": OpenAIError} for status in (400, 404, 413, 424, 429, 500, 503, 504)}
 
 
 class ApiError(Exception):

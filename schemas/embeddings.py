@@ -38,6 +38,7 @@ class EmbeddingRequest(BaseModel):
         None, ge=1, le=INT32_MAX, description="Refused: no model here is served with shortened embeddings."
     )
     user: str | None = Field(None, description="Accepted, for logs.")
+    priority: int | None = Field(None, ge=1, le=5, description="vLLM's: 1 is the most urgent; default 5.")
 
     @field_validator("input")
     @classmethod

@@ -535,7 +535,8 @@ def test_base64_embeddings_are_the_float_answers_little_endian_float32_bytes(cli
         ({"input": []}, "input: it is empty"),
         ({"input": ["x", ""]}, "input: item 1 is empty"),
         ({"input": ["x"] * (MAX_INPUTS + 1)}, f"input: at most {MAX_INPUTS} per request are served; received 2049"),
-        ({"input": [[1, -1]]}, "input"),
+        ({"input": [[1, -1]]}, "input: item 0.1: Input should be greater than or equal to 0"),
+        ({"input": "x", "priority": 6}, "priority: Input should be less than or equal to 5"),
     ],
 )
 def test_bad_embeddings_input_is_a_400_naming_the_field(server, body, named):

@@ -16,17 +16,15 @@ from collections.abc import Awaitable
 
 from fastapi import APIRouter, Request
 
-from gateway.errors import ApiError
+from gateway.errors import OPENAI_ERRORS, ApiError
 from gateway.generation import check_prompt_tokens, complete_all, start_each
 from gateway.inflight import InFlight
 from gateway.service import GatewayService
 from schemas.embeddings import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 from schemas.messages import INCOMPLETE_GENERATION, SamplingParams
-from schemas.openai import OpenAIError
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
-_ERRORS = {status: {"model": OpenAIError} for status in (400, 404, 413, 424, 429, 500, 503, 504)}
 _NO_SAMPLING = SamplingParams(seed=0, max_new_tokens=1)  # an embed request draws no token
 
 
@@ -37,7 +35,7 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingList, responses=_ERRORS)
+@router.post("/v1/embeddings", response_model=EmbeddingList, responses=OPENAI_ERRORS)
 async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
     """Embed each input (a text, or token ids): its last hidden states pooled as the model's directory says."""
     service: GatewayService = request.app.state.gateway
@@ -53,7 +51,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
     def embed(which: int) -> Awaitable[InFlight]:
         given = inputs[which]
         prompt = {"prompt_text": given} if isinstance(given, str) else {"prompt_token_ids": given}
-        return service.submit(model, _NO_SAMPLING, task="embed", **prompt)
+        return service.submit(model, _NO_SAMPLING, task="embed", priority=body.priority, **prompt)
 
     answers = await complete_all(service, await start_each(service, len(inputs), embed), request)
     vectors = [done.events[-1].embedding for done in answers]

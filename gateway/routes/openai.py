@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.access_log import current_request_id
-from gateway.errors import openai_error_body, unprocessable
+from gateway.errors import OPENAI_ERRORS, openai_error_body, unprocessable
 from gateway.generation import Completion as Answer
 from gateway.generation import check_prompt_tokens, complete_all, sse_response, start_each, streams
 from gateway.grammars import json_object_grammar, json_schema_grammar
@@ -51,7 +51,6 @@ from schemas.openai_tools import FunctionCallDelta, ToolCallDelta
 router = APIRouter(tags=["OpenAI-compatible"])
 
 _STREAMED = "With `stream`: `data: {chunk}` events, then `data: [DONE]` (not JSON: the end of the stream)."
-OPENAI_ERRORS = {status: {"model": OpenAIError} for status in (400, 404, 413, 424, 429, 500, 503, 504)}
 
 
 def _finish_reason(reason: FinishReason | None) -> str | None:

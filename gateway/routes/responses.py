@@ -26,10 +26,11 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from gateway.access_log import current_request_id
+from gateway.errors import OPENAI_ERRORS
 from gateway.generation import sse_response
 from gateway.grammars import json_schema_grammar
 from gateway.openapi import event_stream
-from gateway.routes.openai import OPENAI_ERRORS, chat_chunks, chat_completions
+from gateway.routes.openai import chat_chunks, chat_completions
 from schemas.openai import AssistantMessage, Usage
 from schemas.openai_tools import ToolCallDelta
 from schemas.responses import (
