@@ -22,10 +22,12 @@ from gateway.errors import ApiError
 from gateway.grammars import grammar_parameter
 from gateway.inflight import InFlight
 from gateway.service import GatewayService
-from schemas.messages import GENERATION_ERROR, FinishReason, ServedModel, TokenEvent
+from schemas.messages import GENERATION_ERROR, FinishReason, SamplingParams, ServedModel, TokenEvent
 from schemas.parameters import RouteParameters
 
 CLIENT_CLOSED_REQUEST = "Client Closed Request"  # 499, as nginx calls it: nobody reads the answer
+# The sampling of a request that draws no token (tokenize, detokenize, embed): a request must say one.
+NOTHING_DRAWN = SamplingParams(seed=0)
 DISCONNECT_POLL_S = 0.1  # how often a request waiting for its worker checks that its client is still there
 
 T = TypeVar("T")

@@ -146,6 +146,9 @@ def test_completion_prompt_forms_out_of_bounds_are_400s_naming_prompt(server):
     )
     assert "prompt: item 1 is empty" in refused([[1], []])["message"]
     assert refused("x", max_tokens=0)["param"] == "max_tokens"
+    outside = httpx.post(server.url("/v1/completions"), json={"model": MODEL, "prompt": [[1], [1, 32000]]}, timeout=10)
+    assert outside.status_code == 424
+    assert outside.json()["error"]["message"] == "prompt item 1: token id 32000 is outside the vocabulary [0, 32000)"
 
 
 def test_a_stop_string_ends_the_text_before_it_with_finish_reason_stop(server, client):

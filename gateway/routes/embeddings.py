@@ -17,15 +17,13 @@ from collections.abc import Awaitable
 from fastapi import APIRouter, Request
 
 from gateway.errors import OPENAI_ERRORS, ApiError
-from gateway.generation import check_prompt_tokens, complete_all, start_each
+from gateway.generation import NOTHING_DRAWN, check_prompt_tokens, complete_all, start_each
 from gateway.inflight import InFlight
 from gateway.service import GatewayService
 from schemas.embeddings import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
-from schemas.messages import INCOMPLETE_GENERATION, SamplingParams
+from schemas.messages import INCOMPLETE_GENERATION
 
 router = APIRouter(tags=["OpenAI-compatible"])
-
-_NO_SAMPLING = SamplingParams(seed=0, max_new_tokens=1)  # an embed request draws no token
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -43,15 +41,12 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingList:
     inputs = body.inputs
     for index, given in enumerate(inputs):
         if not isinstance(given, str):
-            try:
-                check_prompt_tokens(model, given)
-            except ApiError as error:
-                raise ApiError(error.status, error.body.error_type, f"input item {index}: {error.body.error}") from None
+            check_prompt_tokens(model, given, field=f"input item {index}")
 
     def embed(which: int) -> Awaitable[InFlight]:
         given = inputs[which]
         prompt = {"prompt_text": given} if isinstance(given, str) else {"prompt_token_ids": given}
-        return service.submit(model, _NO_SAMPLING, task="embed", priority=body.priority, **prompt)
+        return service.submit(model, NOTHING_DRAWN, task="embed", priority=body.priority, **prompt)
 
     answers = await complete_all(service, await start_each(service, len(inputs), embed), request)
     vectors = [done.events[-1].embedding for done in answers]

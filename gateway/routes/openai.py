@@ -91,8 +91,8 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
             grammar = grammar or tools_grammar(body)
         prompts = [prompt]
     else:
-        for token_ids in body.prompts if not body.prompts_are_text else ():
-            check_prompt_tokens(model, token_ids)
+        for index, token_ids in enumerate(body.prompts if not body.prompts_are_text else ()):
+            check_prompt_tokens(model, token_ids, field=f"prompt item {index}" if len(body.prompts) > 1 else None)
         field = "prompt_text" if body.prompts_are_text else "prompt_token_ids"
         prompts = [{field: prompt} for prompt in body.prompts]
     sampling = body.sampling(service.draw_seed(), model.max_iter_times, grammar)

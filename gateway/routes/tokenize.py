@@ -17,10 +17,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import GENERATION_ERRORS
-from gateway.generation import check_prompt_tokens, complete
+from gateway.generation import NOTHING_DRAWN, check_prompt_tokens, complete
 from gateway.prompts import PromptFields, chat_prompt
 from gateway.service import GatewayService
-from schemas.messages import SamplingParams, ServedModel, Task, TokenEvent, Tokenization
+from schemas.messages import ServedModel, Task, TokenEvent, Tokenization
 from schemas.tgi import TgiSimpleToken, TgiTokenizeRequest
 from schemas.tokenize import (
     DetokenizeRequest,
@@ -33,13 +33,11 @@ from schemas.tokenize import (
 
 router = APIRouter(tags=["Tokenizer"])
 
-_NOTHING_SAMPLED = SamplingParams(seed=0)  # a request must say how to sample; these draw no token
-
 
 async def _ask(request: Request, model: ServedModel, task: Task, prompt: PromptFields, **options: object) -> TokenEvent:
     """The worker's answer to a tokenize or detokenize request: its one event (an error raises ApiError)."""
     service: GatewayService = request.app.state.gateway
-    inflight = await service.submit(model, _NOTHING_SAMPLED, **prompt, task=task, **options)
+    inflight = await service.submit(model, NOTHING_DRAWN, **prompt, task=task, **options)
     return (await complete(service, inflight, request)).events[-1]
 
 

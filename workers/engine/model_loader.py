@@ -77,13 +77,14 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None) -> Loa
     """Load from a local directory or a hub id: bf16 on CUDA, fp32 on the CPU, unless `dtype` says otherwise."""
     target = pick_device(device)
     chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
+    pooling = Pooling.of_model(str(path))
     if _is_vision(AutoConfig.from_pretrained(path)):
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=chosen).to(target).eval()
-        return _loaded(model, processor.tokenizer, target, str(path), processor, pooling=Pooling.of_model(str(path)))
+        return _loaded(model, processor.tokenizer, target, str(path), processor, pooling=pooling)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen).to(target).eval()
-    return _loaded(model, tokenizer, target, str(path), pooling=Pooling.of_model(str(path)))
+    return _loaded(model, tokenizer, target, str(path), pooling=pooling)
 
 
 def random_model(
