@@ -64,11 +64,14 @@ def _location(error: dict) -> tuple[str | int, ...]:
     return location[1:] if location[:1] == ("body",) else location
 
 
-def offending_field(error: dict) -> str | None:
-    """The dotted name of the field a pydantic error is about ("messages.0.role"); None for the body as a whole."""
+def offending_field(error: dict, body_type: Any = None) -> str | None:
+    """The dotted name of the field a pydantic error is about ("messages.0.role"); None for the body as a whole.
+
+    `body_type`, the type the body was validated as, leaves out the union members' tags pydantic adds."""
     if error.get("type") == "json_invalid":  # its location is a position in the text, not a field
         return None
-    return dotted(_location(error)) or None
+    location = _location(error)
+    return dotted(as_named(body_type, location) if body_type is not None else location) or None
 
 
 def describe_validation_error(error: dict, body_type: Any = None) -> str:
@@ -152,9 +155,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        errors = error.errors()
-        message = "; ".join(describe_validation_error(e, _body_type(request)) for e in errors)
-        return _answer(request, 422, VALIDATION_ERROR, message, param=offending_field(errors[0]) if errors else None)
+        errors, body_type = error.errors(), _body_type(request)
+        message = "; ".join(describe_validation_error(e, body_type) for e in errors)
+        param = offending_field(errors[0], body_type) if errors else None
+        return _answer(request, 422, VALIDATION_ERROR, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -62,7 +62,10 @@ def _walk(root: Any, location: Location) -> tuple[list[type[BaseModel]], list[in
             models = list(dict.fromkeys(m for annotation in annotations for m in _models(annotation)))
             tags = {tag: members for annotation in annotations for tag, members in _tagged(annotation).items()}
             continue
-        tagged = [model for model in models if part in _tags(model)] or tags.get(part, [])
+        if part in tags:  # a callable discriminator's tag (its members may be no models: a list's form)
+            models = tags[part]
+            continue
+        tagged = [model for model in models if part in _tags(model)]
         if not tagged:  # no tag: a field none of them has
             named.append(index)
         models = tagged

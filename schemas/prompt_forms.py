@@ -4,15 +4,16 @@ embeddings' `input`).
 Either way the value is a list of prompts, each a text or token ids, and each
 is served by a request of its own. The form is told from the value's shape (a
 callable discriminator) rather than tried four ways, so that a wrong value's
-error is that form's, and where in it ("item 1.3: ... greater than or equal
-to 0"), instead of four alternatives' at once.
+error is that form's, and where in it (`prompt.1.3`: the second prompt's
+fourth id; schemas/placement.py leaves the form's tag out of the name),
+instead of four alternatives' at once.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Discriminator, Field, Tag, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import Discriminator, Field, Tag
 
 from schemas.parameters import INT32_MAX
 
@@ -28,28 +29,12 @@ def _form(value: Any) -> str:
     return "text" if isinstance(value, str) else "token ids"
 
 
-def _in_its_form(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    try:
-        return handler(value)
-    except ValidationError as error:
-        wrong = error.errors()[0]
-        where = ".".join(str(part) for part in wrong["loc"][1:])  # past the form's tag
-        received = wrong["input"] if not isinstance(wrong["input"], dict | list) else type(wrong["input"]).__name__
-        raise ValueError(
-            f"{'item ' + where + ': ' if where else ''}{wrong['msg']}; received {received!r} "
-            f"(a text, texts, token ids or arrays of token ids)"
-        ) from None
-
-
 PromptForms = Annotated[
-    Annotated[
-        Annotated[str, Tag("text")]
-        | Annotated[list[str], Tag("texts")]
-        | Annotated[list[TokenId], Tag("token ids")]
-        | Annotated[list[list[TokenId]], Tag("token arrays")],
-        Discriminator(_form),
-    ],
-    WrapValidator(_in_its_form),
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Tag("texts")]
+    | Annotated[list[TokenId], Tag("token ids")]
+    | Annotated[list[list[TokenId]], Tag("token arrays")],
+    Discriminator(_form),
 ]
 
 
