@@ -470,7 +470,7 @@ class Worker:
             # A step that never ends would leave the worker heartbeating, its requests never failed over: it
             # stops instead (exit 1; an orchestrator restarts it), and the gateways fail its requests over.
             if self._settings.engine_stuck_s and (busy := self._engine.busy_s()) > self._settings.engine_stuck_s:
-                log.error("engine_stuck", worker_id=self._settings.worker_id, step_s=round(busy, 1))
+                log.error("engine_stuck", worker_id=self._settings.worker_id, step_s=busy)
                 self._engine_stuck = True
                 raise RuntimeError(f"the engine's step has run for {busy:.0f} s")
             for topic, listener, echo in watched:
