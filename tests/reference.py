@@ -1,4 +1,7 @@
-"""What transformers itself generates and embeds with the bundled model: the answers e2e tests expect."""
+"""What transformers itself generates and embeds with the bundled model: the answers e2e tests expect.
+
+The model is transformers' own (its modeling classes), whatever the server runs it on.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from workers.engine.model_loader import LoadedModel, load_model
 
 @cache
 def bundled() -> LoadedModel:
-    return load_model(str(BUNDLED_MODEL), "cpu")
+    return load_model(str(BUNDLED_MODEL), "cpu", model_impl="transformers")
 
 
 def greedy_text(prompt: str, max_new_tokens: int) -> str:

@@ -50,8 +50,8 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def reference():
-    """A separate copy for transformers' generate: the engine puts its own attention into its model."""
-    return load_model(str(BUNDLED_MODEL), str(TEST_DEVICE), "float64")
+    """transformers' own model, for its generate (the engine runs the native one)."""
+    return load_model(str(BUNDLED_MODEL), str(TEST_DEVICE), "float64", model_impl="transformers")
 
 
 class Harness:
@@ -430,7 +430,7 @@ def test_an_urgent_request_arriving_during_a_step_is_computed_within_it_with_the
             arrived_after.append(harness.events.qsize())
             urgent_id.append(harness.submit(urgent_prompt, 8, priority=1))
 
-    hook = loaded.model.model.layers[1].register_forward_pre_hook(arrive_during_step)
+    hook = loaded.decoder().layers[1].register_forward_pre_hook(arrive_during_step)
     try:
         ids = [harness.submit(p, 30) for p in background_prompts]
         deadline = time.monotonic() + 120
@@ -572,7 +572,7 @@ def test_other_llama_family_models_equal_transformers_generate(family, loaded):
     torch.manual_seed(0)
     engine_model = random_model(config, loaded.tokenizer, str(TEST_DEVICE), "float64")
     torch.manual_seed(0)
-    reference = random_model(config, loaded.tokenizer, str(TEST_DEVICE), "float64")
+    reference = random_model(config, loaded.tokenizer, str(TEST_DEVICE), "float64", model_impl="transformers")
     h = Harness(engine_model, EngineConfig(max_seq_len=1024, kv_cache_bytes=16 << 20))
     try:
         prompts = [list(range(10, 10 + n)) for n in (3, 40, 77)]

@@ -1,4 +1,4 @@
-"""The bundled model's place and name, and the dtypes a worker can load: known without importing torch.
+"""The bundled model's place and name, the dtypes a worker can load and its model code: known without torch.
 
 The command line needs them for its options and defaults; a gateway process
 never loads a model, so it must not pay for torch and transformers to start.
@@ -13,3 +13,4 @@ BUNDLED_MODEL_NAME = "tokenrelay-tiny"
 BUNDLED_VISION_MODEL = Path(__file__).resolve().parent / "bundled_vision_model"  # train_bundled_vision_model.py
 BUNDLED_VISION_MODEL_NAME = "tokenrelay-tiny-vision"
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+MODEL_IMPLS = ("auto", "native", "transformers")  # workers/engine/models/: the engine's own code, or transformers'

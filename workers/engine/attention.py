@@ -1,9 +1,7 @@
-"""Attention over the paged KV cache, plugged into transformers' attention interface.
+"""Attention over the paged KV cache, for the native models and for transformers' (models/transformers_backed.py).
 
-The model runner packs a step's tokens from every sequence into one row and
-calls the Hugging Face model as usual; transformers computes embeddings,
-rotary positions, projections and MLPs, and hands each layer's query, key and
-value to `paged_attention`, which
+The model runner packs a step's tokens from every sequence into one row; each
+layer hands its query, key and value of those rows to `attend`, which
 1. writes the new keys and values into their sequences' cache slots, then
 2. attends, per sequence, to everything that sequence has cached. The packed
    rows hold first the sequences decoding one token, then the prompt chunks.
@@ -35,9 +33,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
-IMPLEMENTATION = "tokenrelay_paged"
 _KERNEL_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cpp")
 log = structlog.get_logger(__name__)
 
@@ -139,19 +135,17 @@ def _prompt(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     return out.view(kv_heads, group, rows, dim).permute(2, 0, 1, 3).reshape(rows, heads, dim)
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, paged=None, **kwargs):
-    """transformers' attention signature: query [1, heads, tokens, dim], key/value [1, kv_heads, tokens, dim]."""
-    key_cache, value_cache = paged.kv[module.layer_idx]
-    q = query[0].transpose(0, 1)  # [tokens, heads, dim]
-    out = torch.empty_like(q)
+def attend(paged: PagedBatch, layer: int, q, k, v, scaling: float) -> torch.Tensor:
+    """Store a layer's new keys and values, then attend: q [rows, heads, dim], k/v [rows, kv_heads, dim] (views
+    of any strides) -> [rows, heads, dim]."""
+    key_cache, value_cache = paged.kv[layer]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if paged.kernels == "triton":
-        _triton_attention(
-            paged, q, key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, out, scaling
-        )
-        return out.unsqueeze(0), None
+        _triton_attention(paged, q, k, v, key_cache, value_cache, out, scaling)
+        return out
     kv_heads, _, _, dim = key_cache.shape
-    key_cache.view(kv_heads, -1, dim)[:, paged.slots] = key[0]
-    value_cache.view(kv_heads, -1, dim)[:, paged.slots] = value[0]
+    key_cache.view(kv_heads, -1, dim)[:, paged.slots] = k.transpose(0, 1)
+    value_cache.view(kv_heads, -1, dim)[:, paged.slots] = v.transpose(0, 1)
     decodes = paged.decodes
     if decodes and paged.kernels == "cpu":
         queries = q[:decodes].contiguous()
@@ -166,15 +160,14 @@ def paged_attention(module, query, key, value, attention_mask, scaling, dropout=
     for chunk in paged.prompts:
         rows = slice(chunk.start, chunk.end)
         if chunk.blocks is None:  # a whole new prompt (or its first chunk): nothing cached to read
-            attended = F.scaled_dot_product_attention(
-                query[:, :, rows], key[:, :, rows], value[:, :, rows], is_causal=True, scale=scaling, enable_gqa=True
-            )
+            heads_first = [t[rows].transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, rows, dim]
+            attended = F.scaled_dot_product_attention(*heads_first, is_causal=True, scale=scaling, enable_gqa=True)
             out[rows] = attended[0].transpose(0, 1)
             continue
         keys = _gather(key_cache, chunk.blocks, 1)
         values = _gather(value_cache, chunk.blocks, 1)
         out[rows] = _prompt(q[rows], keys, values, chunk.mask, scaling)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _triton_attention(paged: PagedBatch, q, k, v, key_cache, value_cache, out, scaling) -> None:
@@ -199,6 +192,3 @@ def _triton_attention(paged: PagedBatch, q, k, v, key_cache, value_cache, out, s
             scaling,
             out,
         )
-
-
-AttentionInterface.register(IMPLEMENTATION, paged_attention)

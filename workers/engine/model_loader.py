@@ -2,6 +2,11 @@
 
 Causal LMs, and vision-language models (a config with a `vision_config`:
 LLaVA, Qwen2-VL, ...), which come with their processor (workers/engine/vision.py).
+A causal LM of a native family (models/) runs on the engine's own model code,
+loaded from the directory's safetensors (`model_impl` "auto", or "native");
+any other model, a hub id, and `model_impl` "transformers" run on
+transformers' modeling classes. The config, tokenizer, chat template and
+generation config come from transformers' loaders either way.
 """
 
 from __future__ import annotations
@@ -9,12 +14,23 @@ from __future__ import annotations
 import copy
 import ctypes
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
 from workers.bundled import DTYPE_NAMES
+from workers.engine.models import FAMILIES, MODEL_IMPLS, native_family
+from workers.engine.models.layers import CausalLM
+from workers.engine.models.weights import checkpoint_files, load_checkpoint, load_tensors
 from workers.engine.pooling import Pooling
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -44,9 +60,18 @@ class LoadedModel:
         return self.device.type
 
     @property
-    def decoder(self) -> torch.nn.Module:
-        """The transformer that turns token ids (or embeddings) into hidden states: a VLM's language model."""
-        return getattr(self.model.model, "language_model", self.model.model)
+    def implementation(self) -> str:
+        """ "native" (models/) or "transformers"."""
+        return "native" if isinstance(self.model, CausalLM) else "transformers"
+
+    def decoder(self):
+        """What turns a step's token ids (or embeddings) into hidden states: the native model itself, or a VLM's
+        language model or a causal LM's transformer, with the engine's attention set on it."""
+        if isinstance(self.model, CausalLM):
+            return self.model
+        from workers.engine.models.transformers_backed import TransformersDecoder  # imports transformers' modeling
+
+        return TransformersDecoder(self.model)
 
     def vision(self):
         """What prepares and encodes images (workers/engine/vision.py); None for a text-only model."""
@@ -73,31 +98,93 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def load_model(path: str, device: str = "auto", dtype: str | None = None) -> LoadedModel:
-    """Load from a local directory or a hub id: bf16 on CUDA, fp32 on the CPU, unless `dtype` says otherwise."""
+def load_model(path: str, device: str = "auto", dtype: str | None = None, model_impl: str = "auto") -> LoadedModel:
+    """Load from a local directory or a hub id: bf16 on CUDA, fp32 on the CPU, unless `dtype` says otherwise;
+    `model_impl`: auto (native where the architecture has a family and the directory safetensors), native or
+    transformers."""
     target = pick_device(device)
-    chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
+    chosen = _dtype(dtype, target)
     pooling = Pooling.of_model(str(path))
-    if _is_vision(AutoConfig.from_pretrained(path)):
+    config = AutoConfig.from_pretrained(path)
+    if _is_vision(config):
+        _no_native_vision(model_impl, config)
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=chosen).to(target).eval()
-        return _loaded(model, processor.tokenizer, target, str(path), processor, pooling=pooling)
+        return _loaded(model, processor.tokenizer, target, model.generation_config, processor, pooling=pooling)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    family = _native(config, model_impl, path)
+    if family is not None:
+        model = family(config, target, chosen)
+        load_checkpoint(model, Path(path))
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # none saved: transformers derives it from the model's config, as here
+            generation = GenerationConfig.from_model_config(config)
+        return _loaded(model, tokenizer, target, generation, pooling=pooling)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen).to(target).eval()
-    return _loaded(model, tokenizer, target, str(path), pooling=pooling)
+    return _loaded(model, tokenizer, target, model.generation_config, pooling=pooling)
 
 
 def random_model(
-    config: transformers.PretrainedConfig, tokenizer, device: str = "auto", dtype: str | None = None, processor=None
+    config: transformers.PretrainedConfig,
+    tokenizer,
+    device: str = "auto",
+    dtype: str | None = None,
+    processor=None,
+    model_impl: str = "auto",
 ):
     """A randomly initialised model of `config`, for timing where no weights are at hand, and for tests
-    (a vision-language model's config takes its `processor`, whose tokenizer is `tokenizer`)."""
+    (a vision-language model's config takes its `processor`, whose tokenizer is `tokenizer`). The weights are
+    transformers' initialisation, so a native model has those a transformers one of the same seed has."""
     target = pick_device(device)
-    chosen = DTYPES[dtype] if dtype else (torch.bfloat16 if target.type == "cuda" else torch.float32)
-    auto = AutoModelForImageTextToText if _is_vision(config) else AutoModelForCausalLM
+    chosen = _dtype(dtype, target)
+    vision = _is_vision(config)
+    if vision:
+        _no_native_vision(model_impl, config)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device(target):  # a copy of the config: the engine sets its attention on the model's own
         model = auto.from_config(copy.deepcopy(config), dtype=chosen).eval()
-    return _loaded(model, tokenizer, target, f"random {config.model_type}", processor, pooling=Pooling())
+    family = None if vision else _native(config, model_impl, None)
+    if family is not None:
+        native = family(copy.deepcopy(config), target, chosen)
+        load_tensors(native, model.state_dict().items(), f"a random {config.model_type}")
+        model, generation = native, model.generation_config
+    else:
+        generation = model.generation_config
+    return _loaded(model, tokenizer, target, generation, processor, pooling=Pooling())
+
+
+def _dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    return DTYPES[dtype] if dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def _native(config, model_impl: str, path: str | None) -> type[CausalLM] | None:
+    """The native family to load `config`'s model with, or None for transformers' (`path`: None for weights
+    at hand, else where the safetensors must be)."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl {model_impl!r} is none of {', '.join(MODEL_IMPLS)}")
+    if model_impl == "transformers":
+        return None
+    family = native_family(config)
+    local = path is None or (Path(path).is_dir() and bool(checkpoint_files(Path(path))))
+    if model_impl == "native":
+        if family is None:
+            named = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+            raise ValueError(
+                f"--model-impl native: {named} has no native implementation (there are {', '.join(FAMILIES)}); "
+                "auto or transformers runs it on transformers"
+            )
+        if not local:
+            raise ValueError(f"--model-impl native loads safetensors from a local directory: {path} has none")
+    return family if local else None
+
+
+def _no_native_vision(model_impl: str, config) -> None:
+    if model_impl == "native":
+        raise ValueError(
+            f"--model-impl native: {config.model_type} is a vision-language model, which runs on transformers "
+            "(auto or transformers)"
+        )
 
 
 def _is_vision(config: transformers.PretrainedConfig) -> bool:
@@ -120,12 +207,12 @@ def keep_freed_memory() -> None:
 
 
 def _loaded(
-    model, tokenizer, device: torch.device, source: str, processor=None, *, pooling: Pooling | None
+    model, tokenizer, device: torch.device, generation: GenerationConfig | None, processor=None, *, pooling
 ) -> LoadedModel:
     if device.type == "cpu":
         keep_freed_memory()
     config = model.config.get_text_config()
-    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = generation.eos_token_id if generation else None
     if eos is None:
         eos = tokenizer.eos_token_id
     return LoadedModel(

@@ -3,9 +3,10 @@
 A step's tokens (one per decoding sequence, a chunk per prompt) are packed
 into a single row with their positions, decoding sequences first, so that
 every linear layer runs once for the whole batch, with no padding;
-`attention.paged_attention` keeps each sequence to its own cached keys and
-values. What the device needs of a step goes up in one copy. On a GPU, a
-step that only decodes replays a CUDA graph (cuda_graphs.py), and the KV
+`attention.attend` keeps each sequence to its own cached keys and values.
+The model is the engine's own (models/) or transformers' (LoadedModel.decoder).
+What the device needs of a step goes up in one copy. On a GPU, a step that
+only decodes replays a CUDA graph (cuda_graphs.py), and the KV
 cache gets a share of the memory left once the weights, the largest step's
 work and the graphs have theirs. Logits are computed only for the rows a
 token is drawn from, by the output head, and for the prompt rows of requests
@@ -30,7 +31,7 @@ import structlog
 import torch
 
 from schemas.messages import SamplingParams
-from workers.engine.attention import IMPLEMENTATION, KERNELS, PagedBatch, PromptChunk, kernels_for
+from workers.engine.attention import KERNELS, PagedBatch, PromptChunk, kernels_for
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.grammar import allowed_tokens
@@ -168,12 +169,14 @@ class KVGeometry:
     kv_heads: int
     head_dim: int
     itemsize: int
+    heads: int  # query heads
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> KVGeometry:
         config = model.config.get_text_config()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype.itemsize)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype.itemsize, heads)
 
     @property
     def bytes_per_token(self) -> int:
@@ -185,7 +188,7 @@ class ModelRunner:
         """`config` with its device defaults filled in; `capture`: how decode graphs are captured
         (default: CUDA graphs on a GPU, none on the CPU)."""
         self._model = loaded.model
-        self._decoder = loaded.decoder
+        self._decoder = loaded.decoder()
         self._vision = loaded.vision()
         self._device = loaded.device
         self._eos = loaded.eos_token_ids
@@ -194,7 +197,8 @@ class ModelRunner:
         self.kernels = kernels_for(self._device) if config.attention == "auto" else config.attention
         if self.kernels not in KERNELS:
             raise ValueError(f"attention {config.attention!r} is none of auto, {', '.join(KERNELS)}")
-        self._decoder.set_attn_implementation(IMPLEMENTATION)  # a vision tower keeps its own
+        _check_sliding_window(self._model.config.get_text_config(), config.max_seq_len)
+        self._decoder.reserve(config.max_seq_len)
         self.head = OutputHead(self._model.get_output_embeddings())
         self._geometry = KVGeometry.of(self._model)
         gpu = self._device.type == "cuda"
@@ -331,10 +335,8 @@ class ModelRunner:
         if step.query_starts and self.kernels == "triton":
             from workers.engine.triton_attention import prefill_rows, prefill_tiles
 
-            heads = self._decoder.config.num_attention_heads
-            prefill_work = prefill_tiles(
-                step.query_starts, prefill_rows(self._model.dtype, heads, self._geometry.kv_heads)
-            )
+            rows = prefill_rows(self._model.dtype, self._geometry.heads, self._geometry.kv_heads)
+            prefill_work = prefill_tiles(step.query_starts, rows)
         parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts]
         parts += [prefill_work, tables, step.image_rows, *(step.mrope or ())]
         flat = to_device(torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long), self._device)
@@ -369,14 +371,11 @@ class ModelRunner:
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`positions`: [rows], or [3, 1, rows] for 3-D rotary positions; `images`: (rows, their features)."""
-        inputs: dict[str, torch.Tensor] = {"input_ids": ids[None]}
+        embeddings = None
         if images is not None:
-            embeddings = self._decoder.get_input_embeddings()(ids)
+            embeddings = self._decoder.embed(ids)
             embeddings[images[0]] = images[1].to(embeddings.dtype)
-            inputs = {"inputs_embeds": embeddings[None]}
-        positions = positions[None] if positions.dim() == 1 else positions
-        out = self._decoder(**inputs, position_ids=positions, use_cache=False, paged=batch)
-        return out.last_hidden_state[0]
+        return self._decoder.hidden_states(ids, positions, batch, embeddings)
 
     def _prompt_chunks(self, step: StepLayout) -> tuple[PromptChunk, ...]:
         """For the "cpu" and "torch" kernels: each prompt chunk with what its rows see of its blocks."""
@@ -469,6 +468,17 @@ class ModelRunner:
             memory_mib=round(held / 2**20, 1),
         )
         return graphs
+
+
+def _check_sliding_window(config, max_seq_len: int) -> None:
+    """The paged attention attends to a sequence's whole past: a model trained to see only a window of it
+    (Mistral 7B v0.1) is served up to that window."""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < max_seq_len:
+        raise ValueError(
+            f"the model attends within a sliding window of {window} tokens, which the engine's attention does not "
+            f"have: max_seq_len {max_seq_len} must be at most {window}"
+        )
 
 
 def _draw(chunk: Chunk, eos: frozenset[int], vocab_size: int) -> Draw:

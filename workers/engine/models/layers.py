@@ -1,0 +1,282 @@
+"""The blocks the native decoder families are built of: linear, rotary, attention, MLP, decoder layer, causal LM.
+
+A step's rows are packed ([rows, hidden], no batch dimension, no padding;
+see model_runner.py), and each block works on them as they are: one fused
+QKV projection and one fused gate-up projection per layer, RMSNorm fused
+with the residual add, rotary applied to all rows at once from a table of
+angles, attention through the step's PagedBatch (attention.attend). A family
+(llama.py, qwen2.py, qwen3.py) only says which of the options its config
+turns on: biases, q/k norm, a tied head.
+
+Parameters are allocated empty on their device in their dtype and filled
+from the checkpoint (weights.py) through `checkpoint_tensors`, which names
+each checkpoint tensor's place in them: the fused projections' parts are
+views of one weight, so a checkpoint's q, k and v land side by side with no
+copy of the model in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from workers.engine.attention import PagedBatch, attend
+from workers.engine.models import ops
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a family's config says of its layers."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    tied: bool  # the output head is the input embedding
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary (Qwen3)
+
+    @classmethod
+    def of(cls, config, **options) -> Shape:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            vocab=config.vocab_size,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            eps=config.rms_norm_eps,
+            tied=bool(config.tie_word_embeddings),
+            **options,
+        )
+
+
+def _parameter(*size: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(size, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, where W may be several checkpoint projections stacked along its rows (`parts`)."""
+
+    def __init__(self, inputs: int, parts: dict[str, int], bias: bool, device, dtype) -> None:
+        super().__init__()
+        self.parts = parts  # checkpoint name (relative to the layer) -> rows
+        self.weight = _parameter(sum(parts.values()), inputs, device=device, dtype=dtype)
+        self.bias = _parameter(sum(parts.values()), device=device, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        tensors, start = {}, 0
+        for name, rows in self.parts.items():
+            name = f"{prefix}.{name}" if prefix else name
+            tensors[f"{name}.weight"] = self.weight.narrow(0, start, rows)
+            if self.bias is not None:
+                tensors[f"{name}.bias"] = self.bias.narrow(0, start, rows)
+            start += rows
+        return tensors
+
+
+class Rotary:
+    """cos and sin of every position's angles, float32 [positions, head_dim / 2], as transformers computes them.
+
+    `dynamic` (NTK) keeps the original frequencies up to the original length,
+    as transformers does; past it each position gets the frequencies
+    transformers uses when it decodes at that position (its own prompt rows
+    there use the prompt's length instead).
+    """
+
+    def __init__(self, config, head_dim: int, device: torch.device) -> None:
+        parameters = config.rope_parameters
+        self.rope_type = parameters.get("rope_type", "default")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {self.rope_type!r}: the native models compute {', '.join(ROPE_TYPES)}; "
+                "--model-impl transformers serves the others"
+            )
+        self._config, self._dim, self._device = config, head_dim, device
+        if self.rope_type == "default":
+            self._inv_freq = 1.0 / (
+                parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+            )
+            self._scaling = 1.0
+        else:
+            self._inv_freq, self._scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, device)
+        self._inv_freq = self._inv_freq.to(device, torch.float)
+        self.cos = self.sin = torch.empty(0, head_dim // 2, device=device)
+        self.reserve(config.max_position_embeddings)
+
+    def reserve(self, positions: int) -> None:
+        """Tables for positions [0, positions) at least (grown before a step can reach them, never within one)."""
+        if positions <= self.cos.shape[0]:
+            return
+        angles = torch.arange(positions, device=self._device).float()[:, None] * self._inv_freq
+        original = self._config.max_position_embeddings
+        if self.rope_type == "dynamic" and positions > original:
+            past = torch.arange(original, positions, device=self._device)
+            angles[original:] = past.float()[:, None] * self._grown(positions)
+        self.cos = angles.cos() * self._scaling
+        self.sin = angles.sin() * self._scaling
+
+    def _grown(self, positions: int) -> torch.Tensor:
+        """Dynamic NTK's frequencies at each position past the original length, [positions past, dim / 2]."""
+        parameters, dim, original = self._config.rope_parameters, self._dim, self._config.max_position_embeddings
+        lengths = torch.arange(original + 1, positions + 1, device=self._device, dtype=torch.float64)
+        factor = parameters["factor"]
+        base = parameters["rope_theta"] * ((factor * lengths / original) - (factor - 1)) ** (dim / (dim - 2))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=self._device).float() / dim
+        return 1.0 / (base.float()[:, None] ** exponents)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: Shape, layer: int, rotary: Rotary, device, dtype) -> None:
+        super().__init__()
+        self.layer, self.rotary = layer, rotary
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        self.scaling = shape.head_dim**-0.5
+        q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        self.qkv_proj = Linear(shape.hidden, {"q_proj": q, "k_proj": kv, "v_proj": kv}, shape.qkv_bias, device, dtype)
+        self.o_proj = Linear(q, {"o_proj": shape.hidden}, shape.o_bias, device, dtype)
+        self.eps = shape.eps
+        self.q_norm = _parameter(shape.head_dim, device=device, dtype=dtype) if shape.qk_norm else None
+        self.k_norm = _parameter(shape.head_dim, device=device, dtype=dtype) if shape.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
+        rows, dim = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], dim=-1)
+        q, k, v = q.view(rows, self.heads, dim), k.view(rows, self.kv_heads, dim), v.view(rows, self.kv_heads, dim)
+        if self.q_norm is not None:
+            q = ops.rms_norm(q.reshape(-1, dim), self.q_norm, self.eps).view(rows, self.heads, dim)
+            k = ops.rms_norm(k.reshape(-1, dim), self.k_norm, self.eps).view(rows, self.kv_heads, dim)
+        q, k = ops.apply_rotary(q, k, positions, self.rotary.cos, self.rotary.sin)
+        out = attend(paged, self.layer, q, k, v, self.scaling)
+        return self.o_proj(out.view(rows, self.heads * dim))
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        tensors = self.qkv_proj.checkpoint_tensors(prefix) | self.o_proj.checkpoint_tensors(prefix)
+        if self.q_norm is not None:
+            tensors |= {f"{prefix}.q_norm.weight": self.q_norm, f"{prefix}.k_norm.weight": self.k_norm}
+        return tensors
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: Shape, device, dtype) -> None:
+        super().__init__()
+        parts = {"gate_proj": shape.intermediate, "up_proj": shape.intermediate}
+        self.gate_up_proj = Linear(shape.hidden, parts, shape.mlp_bias, device, dtype)
+        self.down_proj = Linear(shape.intermediate, {"down_proj": shape.hidden}, shape.mlp_bias, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return self.gate_up_proj.checkpoint_tensors(prefix) | self.down_proj.checkpoint_tensors(prefix)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: Shape, layer: int, rotary: Rotary, device, dtype) -> None:
+        super().__init__()
+        self.eps = shape.eps
+        self.input_layernorm = _parameter(shape.hidden, device=device, dtype=dtype)
+        self.self_attn = Attention(shape, layer, rotary, device, dtype)
+        self.post_attention_layernorm = _parameter(shape.hidden, device=device, dtype=dtype)
+        self.mlp = MLP(shape, device, dtype)
+
+    def forward(self, x, residual, positions, paged) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added): the next norm adds them."""
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        h, residual = ops.add_rms_norm(
+            self.self_attn(h, positions, paged), residual, self.post_attention_layernorm, self.eps
+        )
+        return self.mlp(h), residual
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}.input_layernorm.weight": self.input_layernorm,
+            f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm,
+            **self.self_attn.checkpoint_tensors(f"{prefix}.self_attn"),
+            **self.mlp.checkpoint_tensors(f"{prefix}.mlp"),
+        }
+
+
+class CausalLM(nn.Module):
+    """A decoder-only model on packed rows; a family subclasses it and says its Shape's options (`options`)."""
+
+    implementation = "native"
+
+    def __init__(self, config, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.shape = shape = Shape.of(config, **self.options(config))
+        self.rotary = Rotary(config, shape.head_dim, device)
+        empty = torch.empty(shape.vocab, shape.hidden, device=device, dtype=dtype)
+        self.embed_tokens = nn.Embedding(shape.vocab, shape.hidden, _weight=empty, _freeze=True)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i, self.rotary, device, dtype) for i in range(shape.layers))
+        self.norm = _parameter(shape.hidden, device=device, dtype=dtype)
+        self.lm_head = Linear(shape.hidden, {"lm_head": shape.vocab}, False, device, dtype)
+        if shape.tied:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def options(cls, config) -> dict:
+        """The Shape options (biases, q/k norm) this family's config turns on."""
+        return {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.shape.heads
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> Linear:
+        return self.lm_head
+
+    def reserve(self, positions: int) -> None:
+        """Make ready for positions [0, positions): the engine's longest sequence."""
+        self.rotary.reserve(positions)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def hidden_states(
+        self, ids: torch.Tensor, positions: torch.Tensor, paged: PagedBatch, embeddings: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last hidden states of a step's packed rows, [rows, hidden]; `embeddings` in place of the ids'."""
+        x, residual = (self.embed(ids) if embeddings is None else embeddings), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, paged)
+        return ops.add_rms_norm(x, residual, self.norm, self.shape.eps)[0]
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Each tensor a checkpoint holds, by its name there, as the view of our parameters it is loaded into."""
+        tensors = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm}
+        for index, layer in enumerate(self.layers):
+            tensors |= layer.checkpoint_tensors(f"model.layers.{index}")
+        if not self.shape.tied:
+            tensors |= self.lm_head.checkpoint_tensors("")
+        return tensors
+
+    def ignores(self, name: str) -> bool:
+        """Checkpoint tensors that are none of ours and need not be: a tied model's copy of its head, and the
+        rotary frequencies older checkpoints saved."""
+        return (self.shape.tied and name == "lm_head.weight") or name.endswith(".rotary_emb.inv_freq")

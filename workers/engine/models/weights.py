@@ -1,0 +1,95 @@
+"""A native model's weights, straight from a checkpoint's safetensors files into its parameters.
+
+Single files and sharded checkpoints (model.safetensors.index.json) are
+read through safetensors' memory map, tensor by tensor: each is copied into
+its place in the model's parameters (layers.CausalLM.checkpoint_tensors; a
+fused projection's parts are views of its one weight), converted to the
+model's dtype and moved to its device on the way, so that no second copy of
+the model is ever held. Anything that does not fit is one error naming the
+tensor and the file: a tensor missing, one the model has no place for, one
+of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.engine.models.layers import CausalLM
+
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit its config's model."""
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: its index's shards, or its single file; [] if none."""
+    index = directory / INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in shards if not (directory / name).is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: shard {missing[0]} is not in {directory}")
+        return [directory / name for name in shards]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def load_checkpoint(model: CausalLM, directory: Path) -> None:
+    files = checkpoint_files(directory)
+    if not files:
+        raise CheckpointError(f"{directory} has no safetensors files")
+    device = model.embed_tokens.weight.device
+    if device.type == "cuda":  # safetensors places each tensor on the GPU itself; on the CPU, from the memory map
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    targets = model.checkpoint_tensors()
+    for path in files:
+        with safe_open(str(path), framework="pt", device=str(device)) as file:
+            tensors = ((name, file.get_slice(name).get_shape(), _reader(file, name)) for name in file.keys())
+            _fill(model, targets, path.name, tensors)
+    _check_complete(targets, f"{directory}'s safetensors files ({', '.join(p.name for p in files)})")
+
+
+def _reader(file, name: str) -> Callable[[], torch.Tensor]:
+    return lambda: file.get_tensor(name)
+
+
+def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """The same from tensors at hand (a transformers model's state dict: a random model's weights)."""
+    targets = model.checkpoint_tensors()
+    _fill(model, targets, source, ((name, list(t.shape), lambda t=t: t) for name, t in tensors))
+    _check_complete(targets, source)
+
+
+def _fill(
+    model: CausalLM,
+    targets: dict[str, torch.Tensor],
+    source: str,
+    tensors: Iterable[tuple[str, list[int], Callable[[], torch.Tensor]]],
+) -> None:
+    """Copy each (name, shape, read) into its target, which leaves `targets` (so that what remains is missing)."""
+    architecture = type(model).__name__
+    for name, shape, read in tensors:
+        target = targets.pop(name, None)
+        if target is None:
+            if model.ignores(name):
+                continue
+            raise CheckpointError(f"{source}: tensor {name} has no place in {architecture} (or is in two files)")
+        if list(shape) != list(target.shape):
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {list(shape)}, where the config's {architecture} "
+                f"needs {list(target.shape)}"
+            )
+        target.copy_(read())
+
+
+def _check_complete(targets: dict[str, torch.Tensor], source: str) -> None:
+    if targets:
+        missing = sorted(targets)
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"tensor {missing[0]}{more} is in none of {source}")
