@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL_NAME, DTYPE_NAMES
+from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL_NAME, DTYPE_NAMES, MODEL_IMPLS
 from workers.simulated.profile import names as simulation_profiles
 
 _DESCRIPTION = """\
@@ -177,6 +177,14 @@ def _model_options(parser: _Parser) -> None:
     _option(parser, "--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
     dtypes = ["", *DTYPE_NAMES]
     _option(parser, "--dtype", default="", choices=dtypes, help="model dtype; empty: bf16 on CUDA, fp32 on CPU")
+    _option(
+        parser,
+        "--model-impl",
+        default="auto",
+        choices=MODEL_IMPLS,
+        help="the model code: native (the engine's own, for Llama, Mistral, Qwen2 and Qwen3 from safetensors), "
+        "transformers (its modeling classes, any architecture), or auto: native where it can",
+    )
     _option(
         parser,
         "--kv-cache-memory",

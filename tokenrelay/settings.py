@@ -157,7 +157,13 @@ def _model(args: argparse.Namespace) -> ModelSettings:
         name = BUNDLED_MODEL_NAME
     elif args.vision:
         raise CannotStart(f"--vision serves the bundled vision-language model, not --model {args.model}")
-    return ModelSettings(served_names=names or (name,), path=path, device=args.device, dtype=args.dtype or None)
+    return ModelSettings(
+        served_names=names or (name,),
+        path=path,
+        device=args.device,
+        dtype=args.dtype or None,
+        model_impl=args.model_impl,
+    )
 
 
 def _engine(args: argparse.Namespace) -> EngineConfig:

@@ -1,11 +1,14 @@
 """A worker as its settings describe it: the model (loaded, or simulated) in its engine, on a bus.
 
 torch and transformers are imported here only when a model is loaded, so that
-the processes that load none start in a second.
+the processes that load none start in a second; and a process serving a
+text-only model never imports torchvision (`_without_torchvision`).
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,19 +45,32 @@ def engine_parts(model: ModelSettings, engine: EngineConfig) -> tuple[Model, Eng
     if path.startswith(("/", ".")) and not Path(path).exists():
         raise CannotStart(f"--model {path}: no such directory")
     began = time.monotonic()
-    log.info("loading_model", model=path, device=model.device)
+    log.info("loading_model", model=path, device=model.device, model_impl=model.model_impl)
+    _without_torchvision(path)
     from workers.engine.model_loader import load_model
 
     try:
-        loaded = load_model(path, model.device, model.dtype)
-    except OSError as error:  # transformers' own words: no such directory or hub id, a file missing
-        raise CannotStart(f"--model {path}: {error}") from None
+        loaded = load_model(path, model.device, model.dtype, model.model_impl)
+    except (OSError, ValueError) as error:  # no such directory or hub id, a file missing; a checkpoint that
+        raise CannotStart(f"--model {path}: {error}") from None  # does not fit, a model impl that cannot run it
     log.info(
         "model_loaded",
         model=path,
         seconds=round(time.monotonic() - began, 1),
+        implementation=loaded.implementation,
         device=str(loaded.device),
         dtype=str(loaded.model.dtype),
         vocab_size=loaded.vocab_size,
     )
     return loaded, engine
+
+
+def _without_torchvision(path: str) -> None:
+    """For a text-only model (a directory whose config has no vision_config), have this process see no
+    torchvision: transformers imports it wherever it is installed, for image processors, even to read a text
+    model's config, and torchvision imports torch._dynamo, seconds of a worker's start. A module set to None
+    in sys.modules is one Python reports absent (importlib.util.find_spec) and refuses to import."""
+    config = Path(path) / "config.json"
+    if "torchvision" in sys.modules or not config.is_file() or "vision_config" in json.loads(config.read_text()):
+        return
+    sys.modules["torchvision"] = None

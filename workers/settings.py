@@ -29,4 +29,5 @@ class ModelSettings:
     path: str = ""  # a Hugging Face model directory or hub id
     device: str = "auto"  # auto (CUDA if available), cpu, cuda or cuda:N
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on the CPU
+    model_impl: str = "auto"  # native (the engine's own model code), transformers, or auto: native where it can
     simulate: Profile | None = None  # a step-time profile (workers/simulated/) to run instead: no weights, no torch
