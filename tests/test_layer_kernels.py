@@ -1,0 +1,48 @@
+"""The decoder layer's Triton kernels (workers/engine/triton_layers.py) against their torch reference.
+
+They run here under Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1), or
+compiled on a GPU with TOKENRELAY_TEST_DEVICE=cuda; the reference is workers/engine/models/ops.py's torch, on
+the CPU. In float32 they agree to rounding. In float16 RMSNorm's results differ by at most an ulp (the kernel
+sums the squares in another order) and a second ulp from the weight's product.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.devices import TEST_DEVICE
+from workers.engine import triton_layers
+from workers.engine.models.ops import torch_add_rms_norm
+
+DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3}
+
+
+def _randn(*size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.cpu(), expected, atol=tolerance, rtol=tolerance)
+
+
+# (rows, hidden): 320 is not a power of two (a masked tile); 4096 is Llama-3-8B's, 8 warps
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 256), (7, 256), (7, 320), (1, 320), (7, 4096)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_equals_torchs(rows, hidden, with_residual, dtype):
+    x = _randn(rows, hidden, dtype=dtype, seed=0)
+    residual = _randn(rows, hidden, dtype=dtype, seed=1) if with_residual else None
+    weight = (1 + 0.1 * _randn(hidden, dtype=torch.float32, seed=2)).to(dtype)
+    expected_normed, expected_summed = torch_add_rms_norm(x, residual, weight, 1e-6)
+    on_device = x.to(TEST_DEVICE)
+    normed, summed = triton_layers.add_rms_norm(
+        on_device, None if residual is None else residual.to(TEST_DEVICE), weight.to(TEST_DEVICE), 1e-6
+    )
+    assert normed.dtype == dtype and normed.shape == (rows, hidden)
+    if residual is None:
+        assert summed is on_device
+    torch.testing.assert_close(summed.cpu(), expected_summed, atol=0, rtol=0)  # one rounding of the same sum
+    _close(normed, expected_normed, dtype)
