@@ -2,8 +2,10 @@
 
 They run here under Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1), or
 compiled on a GPU with TOKENRELAY_TEST_DEVICE=cuda; the reference is workers/engine/models/ops.py's torch, on
-the CPU. In float32 they agree to rounding. In float16 RMSNorm's results differ by at most an ulp (the kernel
-sums the squares in another order) and a second ulp from the weight's product.
+the CPU. In float32 they agree to rounding. In float16 the kernels compute in float32 and round once, where
+torch rounds SiLU to float16 before the product, so the two differ by a few of float16's ulps (2**-10
+relative); RMSNorm's float16 results differ by at most an ulp (the kernel sums the squares in another order)
+and a second ulp from the weight's product.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from tests.devices import TEST_DEVICE
 from workers.engine import triton_layers
-from workers.engine.models.ops import torch_add_rms_norm
+from workers.engine.models.ops import torch_add_rms_norm, torch_silu_and_mul
 
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3}
@@ -46,3 +48,13 @@ def test_add_rms_norm_equals_torchs(rows, hidden, with_residual, dtype):
         assert summed is on_device
     torch.testing.assert_close(summed.cpu(), expected_summed, atol=0, rtol=0)  # one rounding of the same sum
     _close(normed, expected_normed, dtype)
+
+
+# intermediate 1100: two programs a row, the second masked past the row's end
+@pytest.mark.parametrize(("rows", "intermediate"), [(1, 64), (7, 64), (7, 1100)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_equals_torchs(rows, intermediate, dtype):
+    x = _randn(rows, 2 * intermediate, dtype=dtype, seed=3) * 3
+    out = triton_layers.silu_and_mul(x.to(TEST_DEVICE))
+    assert out.dtype == dtype and out.shape == (rows, intermediate)
+    _close(out, torch_silu_and_mul(x), dtype)

@@ -1,11 +1,12 @@
-"""RMSNorm after the residual add in Triton, for GPUs: one launch.
+"""The small fused operations of a decoder layer in Triton, for GPUs: one launch each.
 
-In torch (workers/engine/models/ops.py, this kernel's reference) it is six
-to ten small kernels, every one a round trip of the activations through
-memory; here it is one launch that reads its inputs once and writes its
-outputs once, computing in float32 whatever the model's dtype. It runs inside
-the decode steps' CUDA graphs too: no host syncs, and nothing allocated but
-outputs of the inputs' shapes.
+In torch (workers/engine/models/ops.py, these kernels' reference) RMSNorm
+after the residual add and SiLU-and-multiply are several small kernels each,
+every one a round trip of the activations through memory; here each is one
+launch that reads its inputs once and writes its outputs once, computing in
+float32 whatever the model's dtype. They run inside the decode steps' CUDA
+graphs too: no host syncs, and nothing allocated but outputs of the inputs'
+shapes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import triton
 import triton.language as tl
 
 from workers.engine.kernel_launch import KernelLaunch
+
+_SILU_BLOCK = 1024  # elements of a row per SiLU-and-multiply program: 8 a thread at 4 warps
 
 
 @triton.jit
@@ -44,6 +47,16 @@ def _add_rms_norm_kernel(
     # transformers rounds the normed row to the model's dtype before the weight multiplies it
     out = scaled.to(x.dtype.element_ty).to(tl.float32) * tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed + row * HIDDEN + cols, out.to(normed.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x, out, stride_x, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTERMEDIATE
+    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * INTERMEDIATE + cols, (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty), mask=mask)
 
 
 def _warps(elements: int) -> int:
@@ -77,3 +90,22 @@ def add_rms_norm(
     if x.shape[0]:
         add_rms_norm_launch(x, residual, weight, eps, normed, summed)()
     return normed, summed
+
+
+def silu_and_mul_launch(x, out) -> KernelLaunch:
+    """The SiLU-and-multiply kernel's KernelLaunch (see silu_and_mul): programs of rows x blocks of a row."""
+    rows, intermediate = out.shape
+    return KernelLaunch(
+        _silu_and_mul_kernel,
+        (rows, triton.cdiv(intermediate, _SILU_BLOCK)),
+        (x, out, x.stride(0)),
+        dict(INTERMEDIATE=intermediate, BLOCK=_SILU_BLOCK),
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up [rows, intermediate] of x [rows, 2 * intermediate], the fused projection's [gate | up]."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        silu_and_mul_launch(x, out)()
+    return out
