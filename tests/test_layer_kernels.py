@@ -3,9 +3,9 @@
 They run here under Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1), or
 compiled on a GPU with TOKENRELAY_TEST_DEVICE=cuda; the reference is workers/engine/models/ops.py's torch, on
 the CPU. In float32 they agree to rounding. In float16 the kernels compute in float32 and round once, where
-torch rounds SiLU to float16 before the product, so the two differ by a few of float16's ulps (2**-10
-relative); RMSNorm's float16 results differ by at most an ulp (the kernel sums the squares in another order)
-and a second ulp from the weight's product.
+torch rounds some steps to float16 on the way (SiLU before the product, cos and sin and each product of the
+rotation), so the two differ by a few of float16's ulps (2**-10 relative); RMSNorm's float16 results differ
+by at most an ulp (the kernel sums the squares in another order) and a second ulp from the weight's product.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from tests.devices import TEST_DEVICE
 from workers.engine import triton_layers
-from workers.engine.models.ops import torch_add_rms_norm, torch_silu_and_mul
+from workers.engine.models.ops import torch_add_rms_norm, torch_apply_rotary, torch_silu_and_mul
 
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3}
@@ -58,3 +58,34 @@ def test_silu_and_mul_equals_torchs(rows, intermediate, dtype):
     out = triton_layers.silu_and_mul(x.to(TEST_DEVICE))
     assert out.dtype == dtype and out.shape == (rows, intermediate)
     _close(out, torch_silu_and_mul(x), dtype)
+
+
+def _tables(max_positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's default rotary tables [max_positions, dim / 2], float32."""
+    inverse_frequencies = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.arange(max_positions, dtype=torch.float32)[:, None] * inverse_frequencies[None, :]
+    return angles.cos(), angles.sin()
+
+
+# (heads, kv_heads, dim): GQA 8 / 2 at each head_dim, and as many KV heads as query heads
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 32), (8, 2, 64), (8, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_rotary_rotates_the_qkv_projections_q_and_k_in_place_as_torch_does(heads, kv_heads, dim, rows, dtype):
+    qkv = _randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=4)
+    positions = torch.tensor([37, 2, 90, 0, 2, 63, 11][:rows])  # unsorted, one repeated
+    cos, sin = _tables(100, dim)
+    q = qkv[:, : heads * dim].view(rows, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    expected_q, expected_k = torch_apply_rotary(q.clone(), k.clone(), positions, cos, sin)
+
+    fused = qkv.to(TEST_DEVICE)
+    q_on_device = fused[:, : heads * dim].view(rows, heads, dim)
+    k_on_device = fused[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    tables = cos.to(TEST_DEVICE), sin.to(TEST_DEVICE)
+    rotated_q, rotated_k = triton_layers.apply_rotary(q_on_device, k_on_device, positions.to(TEST_DEVICE), *tables)
+    assert rotated_q is q_on_device and rotated_k is k_on_device
+    _close(fused[:, : heads * dim].view(rows, heads, dim), expected_q, dtype)
+    _close(fused[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim), expected_k, dtype)
+    values = slice((heads + kv_heads) * dim, None)
+    torch.testing.assert_close(fused[:, values].cpu(), qkv[:, values], atol=0, rtol=0)  # V is left alone
