@@ -2,8 +2,8 @@
 
 The other kernel tests run them under Triton's interpreter, which accepts what the compiler does not and
 knows nothing of registers. This compiles them as `tokenrelay bench kernels` does (the whole table of shapes
-and dtypes is the bench's), where register pressure is highest: every kernel in bf16 at
-Llama-3-8B's shape (head_dim 128, the largest tiles), and the prefill kernel in fp16 too. Both prefills
+and dtypes is the bench's), where register pressure is highest: every kernel in bf16 at Llama-3-8B's shape
+(head_dim 128 and hidden 4096, the largest tiles), and the prefill kernel in fp16 too. Both prefills
 spilled there at Triton's default 4 warps (255 registers, 44-56 bytes), until their tiles got 8.
 """
 

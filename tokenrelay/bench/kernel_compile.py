@@ -10,10 +10,10 @@ that compile's figures. Every job is compiled afresh
 (TRITON_ALWAYS_COMPILE), for a cached kernel would come without ptxas's log.
 
 A job's kernel is what the engine would launch: the launch functions of
-triton_attention.py and triton_sampling.py (workers/engine/kernel_launch.py)
-are called on meta tensors laid out as the engine's for the model shape, and
-their KernelLaunch is compiled with the specialisation Triton's launcher
-would give those arguments. ptxas -v's log (TRITON_DUMP_PTXAS_LOG) gives the
+triton_attention.py, triton_sampling.py and triton_layers.py
+(workers/engine/kernel_launch.py) are called on meta tensors laid out as the
+engine's for the model shape, and their KernelLaunch is compiled with the
+specialisation Triton's launcher would give those arguments. ptxas -v's log (TRITON_DUMP_PTXAS_LOG) gives the
 registers and spills, Triton's metadata the shared memory.
 """
 
@@ -34,7 +34,7 @@ from triton.backends.nvidia.compiler import get_ptxas_version
 from triton.compiler import ASTSource
 
 from tokenrelay.bench.kernels import SHAPES, ModelShape
-from workers.engine import triton_attention, triton_sampling
+from workers.engine import triton_attention, triton_layers, triton_sampling
 from workers.engine.config import EngineConfig
 from workers.engine.kernel_launch import KernelLaunch
 
@@ -51,7 +51,9 @@ def engine_launches(shape: ModelShape, dtype: torch.dtype) -> dict[str, KernelLa
     as the engine's: a step's query/key/value [tokens, heads, dim] as transformers hands them over (strides
     heads * dim and dim), the cache [kv_heads, blocks, block_size, dim] with the default block size, block
     tables as wide as the decode graphs' (max_seq_len tokens), and the split the engine makes for one
-    decoding sequence on an H200 (the most splits, the widest merge). Every pointer is 16-byte aligned, as
+    decoding sequence on an H200 (the most splits, the widest merge); the layer's activations [tokens,
+    hidden], q and k the views of one fused QKV projection's output that the models rotate, and rotary
+    tables as long as the longest sequence. Every pointer is 16-byte aligned, as
     the decode graphs' static buffers are; an eager step's int64 inputs, cut from one flat tensor, may not
     be, and Triton then compiles a variant without that hint (for the prefill it took the same registers)."""
     config = EngineConfig()
@@ -76,6 +78,12 @@ def engine_launches(shape: ModelShape, dtype: torch.dtype) -> dict[str, KernelLa
     )
     chunk_starts, tiles = empty(2, of=torch.long), empty(2, of=torch.long)  # one prompt chunk, one tile
     prefill = triton_attention.prefill_launch(query, *caches, tables, lengths, chunk_starts, tiles, scale, out)
+    hidden, intermediate = shape.hidden, shape.intermediate
+    qkv = empty(tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    cos, sin = (empty(config.max_seq_len, dim // 2, of=torch.float32) for _ in range(2))
+    x, residual, normed, summed = (empty(tokens, hidden) for _ in range(4))
     return {
         "store": triton_attention.store_launch(key, value, *caches, slots),
         "decode": decode,
@@ -85,6 +93,9 @@ def engine_launches(shape: ModelShape, dtype: torch.dtype) -> dict[str, KernelLa
         "noise": triton_sampling.noise_launch(
             empty(tokens, of=torch.long), empty(tokens, shape.vocab, of=torch.float32)
         ),
+        "add-rms-norm": triton_layers.add_rms_norm_launch(x, residual, empty(hidden), 1e-5, normed, summed),
+        "silu-mul": triton_layers.silu_and_mul_launch(empty(tokens, 2 * intermediate), empty(tokens, intermediate)),
+        "rotary": triton_layers.rotary_launch(q, k, empty(tokens, of=torch.long), cos, sin),
     }
 
 

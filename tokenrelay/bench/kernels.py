@@ -8,7 +8,8 @@ sm_90 with the ptxas that Triton bundles (no GPU, no driver), with what the
 engine's own launch functions pass it (workers/engine/kernel_launch.py), for
 the bundled model, TinyLlama-1.1B and Llama-3-8B, in bf16, fp16 and
 fp32: store, decode (one program per sequence, and split with the merge of
-its partial results), prefill, and the sampler's noise. It prints each
+its partial results), prefill, the sampler's noise, and the decoder layer's
+RMSNorm after the residual add, SiLU-and-multiply and rotary. It prints each
 kernel's warps, registers per thread, spilled bytes (stores/loads), stack
 frame, shared memory per program and compile time, and exits 1 on any compile
 error or any spill in bf16 or fp16, the dtypes a GPU serves in (fp32's are
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME
 
-KERNELS = ("store", "decode", "decode-split", "merge", "prefill", "noise")
+KERNELS = ("store", "decode", "decode-split", "merge", "prefill", "noise", "add-rms-norm", "silu-mul", "rotary")
 DTYPES = ("bf16", "fp16", "fp32")
 SERVED_DTYPES = ("bf16", "fp16")  # a spill in these fails the check
 
@@ -43,19 +44,28 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int  # the noise kernel's rows are this long
+    hidden: int  # RMSNorm's rows
+    intermediate: int  # SiLU-and-multiply's output rows
 
 
 def _bundled_shape() -> ModelShape:
     config = json.loads((BUNDLED_MODEL / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return ModelShape(config["num_attention_heads"], config["num_key_value_heads"], head_dim, config["vocab_size"])
+    return ModelShape(
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        head_dim,
+        config["vocab_size"],
+        config["hidden_size"],
+        config["intermediate_size"],
+    )
 
 
 # The real models' shapes, Llama-3-8B's with its own vocabulary (bench engine's random one has the bundled 32000).
 SHAPES = {
     BUNDLED_MODEL_NAME: _bundled_shape(),
-    "tinyllama-1.1b": ModelShape(heads=32, kv_heads=4, head_dim=64, vocab=32000),
-    "llama-3-8b": ModelShape(heads=32, kv_heads=8, head_dim=128, vocab=128256),
+    "tinyllama-1.1b": ModelShape(heads=32, kv_heads=4, head_dim=64, vocab=32000, hidden=2048, intermediate=5632),
+    "llama-3-8b": ModelShape(heads=32, kv_heads=8, head_dim=128, vocab=128256, hidden=4096, intermediate=14336),
 }
 
 

@@ -1,8 +1,8 @@
 """A Triton kernel launch as data: the engine runs it, the compile check compiles exactly it.
 
-Each launch function of triton_attention.py and triton_sampling.py computes
-the KernelLaunch of its kernel (grid, arguments, constexprs, warps) from the
-tensors it is given, and the engine calls it. `tokenrelay bench kernels`
+Each launch function of triton_attention.py, triton_sampling.py and
+triton_layers.py computes the KernelLaunch of its kernel (grid, arguments,
+constexprs, warps) from the tensors it is given, and the engine calls it. `tokenrelay bench kernels`
 (tokenrelay/bench/kernel_compile.py) calls the same functions on meta
 tensors laid out as a model's and compiles what they return for an H200
 ahead of time, so the tile sizes and warps it checks are the ones the engine
