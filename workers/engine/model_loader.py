@@ -18,14 +18,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoProcessor,
-    AutoTokenizer,
-    GenerationConfig,
-)
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from workers.bundled import DTYPE_NAMES
 from workers.engine.models import FAMILIES, MODEL_IMPLS, native_family
@@ -108,6 +101,8 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None, model_
     config = AutoConfig.from_pretrained(path)
     if _is_vision(config):
         _no_native_vision(model_impl, config)
+        from transformers import AutoModelForImageTextToText, AutoProcessor  # processors import transformers' modeling
+
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=chosen).to(target).eval()
         return _loaded(model, processor.tokenizer, target, model.generation_config, processor, pooling=pooling)
@@ -121,6 +116,8 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None, model_
         except OSError:  # none saved: transformers derives it from the model's config, as here
             generation = GenerationConfig.from_model_config(config)
         return _loaded(model, tokenizer, target, generation, pooling=pooling)
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen).to(target).eval()
     return _loaded(model, tokenizer, target, model.generation_config, pooling=pooling)
 
@@ -141,6 +138,8 @@ def random_model(
     vision = _is_vision(config)
     if vision:
         _no_native_vision(model_impl, config)
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device(target):  # a copy of the config: the engine sets its attention on the model's own
         model = auto.from_config(copy.deepcopy(config), dtype=chosen).eval()
