@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tests.devices import TEST_DEVICE
 from tests.processes import spawn_tokenrelay, wait_ready
 from tests.reference import bundled
 from tests.test_engine import Harness, _logprobs, _reference, _tokens
@@ -34,6 +35,7 @@ from workers.engine.model_runner import KVGeometry
 from workers.engine.models.layers import Rotary
 from workers.engine.models.weights import CheckpointError
 
+DEVICE = str(TEST_DEVICE)
 COMMON = dict(
     vocab_size=32000,
     hidden_size=64,
@@ -100,8 +102,8 @@ def family(request, tmp_path_factory):
     """(name, checkpoint directory, the native model, transformers' model for its generate)."""
     directory = tmp_path_factory.mktemp(request.param)
     write_checkpoint(directory, request.param)
-    native = load_model(str(directory), "cpu", "float64")
-    reference = load_model(str(directory), "cpu", "float64", model_impl="transformers")
+    native = load_model(str(directory), DEVICE, "float64")
+    reference = load_model(str(directory), DEVICE, "float64", model_impl="transformers")
     assert (native.implementation, reference.implementation) == ("native", "transformers")
     return request.param, directory, native, reference
 
@@ -139,14 +141,17 @@ def test_greedy_tokens_equal_transformers_generate_chunked_joined_reused_and_pre
 def _greedy_ignoring_eos(reference, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = reference.model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False
+            torch.tensor([prompt], device=reference.device),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
 
 
 def test_log_probabilities_and_seeded_sampling_equal_the_transformers_backed_engines(family):
     name, directory, native, reference = family
-    backed = load_model(str(directory), "cpu", "float64", model_impl="transformers")  # its attention becomes ours
+    backed = load_model(str(directory), DEVICE, "float64", model_impl="transformers")  # its attention becomes ours
     prompt = [rng for rng in random.Random(5).sample(range(4, 32000), 30)]
     sampled = dict(do_sample=True, temperature=1.1, top_k=40, top_p=0.95, ignore_eos=True)
     answers = {}
@@ -182,8 +187,8 @@ def test_a_sharded_checkpoint_loads_equal_to_its_single_file(tmp_path):
     write_checkpoint(tmp_path / "sharded", "qwen3", max_shard_size="300KB")
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 3
-    single = load_model(str(tmp_path / "single"), "cpu", "float64").model
-    sharded = load_model(str(tmp_path / "sharded"), "cpu", "float64").model
+    single = load_model(str(tmp_path / "single"), DEVICE, "float64").model
+    sharded = load_model(str(tmp_path / "sharded"), DEVICE, "float64").model
     assert single.checkpoint_tensors().keys() == sharded.checkpoint_tensors().keys()
     for name, tensor in single.checkpoint_tensors().items():
         assert torch.equal(tensor, sharded.checkpoint_tensors()[name]), name
