@@ -63,8 +63,16 @@ def test_the_engine_bench_reports_the_engine_every_baseline_the_ratios_and_decod
         expected = report["engine"]["tokens_per_s"] / report["baselines"][name]["tokens_per_s"]
         assert abs(ratio - expected) < 0.01
     # Each method's line is printed as it finishes, the runs before the best.
-    lines = [line.split()[0] for line in run.stderr.splitlines() if "tok/s  TTFT" in line]
-    assert lines[:4] == ["engine", "transformers_static_batches", "engine", "transformers_static_batches"]
+    lines = [line[:42].strip() for line in run.stderr.splitlines() if "tok/s  TTFT" in line]
+    methods = ["engine (native, run {})", "engine (transformers, run {})", "transformers_static_batches (run {})"]
+    assert lines[:6] == [method.format(run) for run in (1, 2) for method in methods]
+    # Both model implementations, side by side: the same tokens, and the ratio of their tokens/s.
+    engines = report["engines"]
+    assert set(engines) == {"native", "transformers"} and engines["native"] == report["engine"]
+    assert engines["transformers"]["output_tokens"] == tokens
+    assert report["impl_ratio"] == round(engines["native"]["tokens_per_s"] / engines["transformers"]["tokens_per_s"], 2)
+    assert [s["batch"] for s in report["decode_steps_by_impl"]["transformers"]] == [1, 3]
+    assert report["decode_steps_by_impl"]["native"] == report["decode_steps"]
     steps = report["decode_steps"]
     assert [s["batch"] for s in steps] == [1, 3] and steps[1]["mean_context"] > 0
     for step in steps:  # no CUDA graphs on the CPU

@@ -81,16 +81,18 @@ def scale(rows: list[dict], path: Path) -> Path:
 
 
 def engine(report: dict, path: Path) -> Path:
-    """`bench engine`: output tokens/s of the engine and of each baseline, and their TTFT p50/p99."""
-    results = {"engine": report["engine"], **report["baselines"]}
+    """`bench engine`: output tokens/s of the engine (on each model implementation) and of each baseline, and their
+    TTFT p50/p99."""
+    engines = {f"engine\n{impl}": result for impl, result in report["engines"].items()}
+    results = {**engines, **report["baselines"]}
     names = []
     for name, result in results.items():
-        label = name if name == "engine" else "transformers\n" + name.removeprefix("transformers_").replace("_", " ")
+        label = name if name in engines else "transformers\n" + name.removeprefix("transformers_").replace("_", " ")
         if result["requests"] != report["engine"]["requests"]:  # a baseline that runs only the first ones
             label += f"\n(first {result['requests']})"
         names.append(label + ("\nTIMED OUT" if result["timed_out"] else ""))
     figure, (throughput, ttft) = _subplots(2, width=6)
-    colours = ["tab:blue" if name == "engine" else "tab:gray" for name in results]
+    colours = ["tab:blue" if name in engines else "tab:gray" for name in results]
     _bars(throughput, names, [r["tokens_per_s"] for r in results.values()], colours, "{:.1f}")
     workload = report["workload"]
     throughput.set(

@@ -25,7 +25,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from workers.engine.attention import PagedBatch, attend
-from workers.engine.models import ops
+from workers.engine.models.ops import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -161,9 +161,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], dim=-1)
         q, k, v = q.view(rows, self.heads, dim), k.view(rows, self.kv_heads, dim), v.view(rows, self.kv_heads, dim)
         if self.q_norm is not None:
-            q = ops.rms_norm(q.reshape(-1, dim), self.q_norm, self.eps).view(rows, self.heads, dim)
-            k = ops.rms_norm(k.reshape(-1, dim), self.k_norm, self.eps).view(rows, self.kv_heads, dim)
-        q, k = ops.apply_rotary(q, k, positions, self.rotary.cos, self.rotary.sin)
+            q = rms_norm(q.reshape(-1, dim), self.q_norm, self.eps).view(rows, self.heads, dim)
+            k = rms_norm(k.reshape(-1, dim), self.k_norm, self.eps).view(rows, self.kv_heads, dim)
+        q, k = apply_rotary(q, k, positions, self.rotary.cos, self.rotary.sin)
         out = attend(paged, self.layer, q, k, v, self.scaling)
         return self.o_proj(out.view(rows, self.heads * dim))
 
@@ -182,7 +182,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(shape.intermediate, {"down_proj": shape.hidden}, shape.mlp_bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return self.gate_up_proj.checkpoint_tensors(prefix) | self.down_proj.checkpoint_tensors(prefix)
@@ -199,8 +199,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, paged) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added): the next norm adds them."""
-        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h, residual = ops.add_rms_norm(
+        h, residual = add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        h, residual = add_rms_norm(
             self.self_attn(h, positions, paged), residual, self.post_attention_layernorm, self.eps
         )
         return self.mlp(h), residual
@@ -265,7 +265,7 @@ class CausalLM(nn.Module):
         x, residual = (self.embed(ids) if embeddings is None else embeddings), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, paged)
-        return ops.add_rms_norm(x, residual, self.norm, self.shape.eps)[0]
+        return add_rms_norm(x, residual, self.norm, self.shape.eps)[0]
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Each tensor a checkpoint holds, by its name there, as the view of our parameters it is loaded into."""
