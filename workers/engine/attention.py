@@ -55,10 +55,12 @@ def decode_kernel():
     except OSError:  # installed read-only: torch's own cache folder
         build = None
     try:
+        # -fopenmp: at::parallel_for's OpenMP loop is inline in ATen's headers, so without it the kernel runs
+        # on one thread (it links no OpenMP runtime of its own: torch's, already loaded, serves it).
         return load(
             name=name,
             sources=[str(_KERNEL_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             build_directory=str(build) if build else None,
         )
     except Exception as error:  # no compiler, no ninja: the PyTorch path still works
