@@ -344,24 +344,22 @@ class ModelRunner:
             list(map(len, parts))
         )
         block_tables = flat_tables.view(len(step.tables), width)
-        if replay:
-            hidden = self._graphs.run(ids, positions, slots, block_tables, lengths)
-        else:
-            batch = PagedBatch(
-                kv=kv,
-                kernels=self.kernels,
-                slots=slots,
-                decodes=step.decodes,
-                block_tables=block_tables,
-                lengths=lengths,
-                splits=self.decode_splits(step.decodes, width) if self.kernels == "triton" else 1,
-                query_starts=query_starts if prefill_work else None,
-                tiles=tiles if prefill_work else None,
-                prompts=self._prompt_chunks(step) if self.kernels != "triton" else (),
-            )
-            images = (image_rows, torch.cat(step.image_features)) if step.image_features else None
-            hidden = self._forward(ids, torch.stack(mrope)[:, None] if mrope else positions, batch, images)
-        return hidden[sample_rows]
+        if replay:  # a decode step: every row is sampled
+            return self._graphs.run(ids, positions, slots, block_tables, lengths)[sample_rows]
+        batch = PagedBatch(
+            kv=kv,
+            kernels=self.kernels,
+            slots=slots,
+            decodes=step.decodes,
+            block_tables=block_tables,
+            lengths=lengths,
+            splits=self.decode_splits(step.decodes, width) if self.kernels == "triton" else 1,
+            query_starts=query_starts if prefill_work else None,
+            tiles=tiles if prefill_work else None,
+            prompts=self._prompt_chunks(step) if self.kernels != "triton" else (),
+        )
+        images = (image_rows, torch.cat(step.image_features)) if step.image_features else None
+        return self._forward(ids, torch.stack(mrope)[:, None] if mrope else positions, batch, images, sample_rows)
 
     def _forward(
         self,
@@ -369,13 +367,15 @@ class ModelRunner:
         positions: torch.Tensor,
         batch: PagedBatch,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`positions`: [rows], or [3, 1, rows] for 3-D rotary positions; `images`: (rows, their features)."""
+        """`positions`: [rows], or [3, 1, rows] for 3-D rotary positions; `images`: (rows, their features);
+        `rows`: the rows whose hidden states are returned (all: None)."""
         embeddings = None
         if images is not None:
             embeddings = self._decoder.embed(ids)
             embeddings[images[0]] = images[1].to(embeddings.dtype)
-        return self._decoder.hidden_states(ids, positions, batch, embeddings)
+        return self._decoder.hidden_states(ids, positions, batch, embeddings, rows)
 
     def _prompt_chunks(self, step: StepLayout) -> tuple[PromptChunk, ...]:
         """For the "cpu" and "torch" kernels: each prompt chunk with what its rows see of its blocks."""

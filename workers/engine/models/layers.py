@@ -156,7 +156,10 @@ class Attention(nn.Module):
         self.q_norm = _parameter(shape.head_dim, device=device, dtype=dtype) if shape.qk_norm else None
         self.k_norm = _parameter(shape.head_dim, device=device, dtype=dtype) if shape.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, paged: PagedBatch) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, paged: PagedBatch, kept: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Every row's keys and values go to the cache; only the `kept` rows' output is projected (all: None)."""
         rows, dim = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], dim=-1)
         q, k, v = q.view(rows, self.heads, dim), k.view(rows, self.kv_heads, dim), v.view(rows, self.kv_heads, dim)
@@ -164,8 +167,8 @@ class Attention(nn.Module):
             q = rms_norm(q.reshape(-1, dim), self.q_norm, self.eps).view(rows, self.heads, dim)
             k = rms_norm(k.reshape(-1, dim), self.k_norm, self.eps).view(rows, self.kv_heads, dim)
         q, k = apply_rotary(q, k, positions, self.rotary.cos, self.rotary.sin)
-        out = attend(paged, self.layer, q, k, v, self.scaling)
-        return self.o_proj(out.view(rows, self.heads * dim))
+        out = attend(paged, self.layer, q, k, v, self.scaling).view(rows, self.heads * dim)
+        return self.o_proj(out if kept is None else out[kept])
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         tensors = self.qkv_proj.checkpoint_tensors(prefix) | self.o_proj.checkpoint_tensors(prefix)
@@ -197,11 +200,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = _parameter(shape.hidden, device=device, dtype=dtype)
         self.mlp = MLP(shape, device, dtype)
 
-    def forward(self, x, residual, positions, paged) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it is added): the next norm adds them."""
+    def forward(self, x, residual, positions, paged, kept=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added): the next norm adds them. With
+        `kept`, row indices, the output and residual of those rows only: after the attention no row depends
+        on another, so a last layer computes its projections and MLP for the rows whose states are wanted."""
         h, residual = add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        attended = self.self_attn(h, positions, paged, kept)
         h, residual = add_rms_norm(
-            self.self_attn(h, positions, paged), residual, self.post_attention_layernorm, self.eps
+            attended, residual if kept is None else residual[kept], self.post_attention_layernorm, self.eps
         )
         return self.mlp(h), residual
 
@@ -259,12 +265,20 @@ class CausalLM(nn.Module):
         return self.embed_tokens(ids)
 
     def hidden_states(
-        self, ids: torch.Tensor, positions: torch.Tensor, paged: PagedBatch, embeddings: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        paged: PagedBatch,
+        embeddings: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The last hidden states of a step's packed rows, [rows, hidden]; `embeddings` in place of the ids'."""
+        """The last hidden states of a step's packed rows, [rows, hidden], or of the `rows` asked for, in their
+        order (a prompt chunk wants its last row's alone); `embeddings` in place of the ids'."""
         x, residual = (self.embed(ids) if embeddings is None else embeddings), None
-        for layer in self.layers:
+        *first, last = self.layers
+        for layer in first:
             x, residual = layer(x, residual, positions, paged)
+        x, residual = last(x, residual, positions, paged, rows)
         return add_rms_norm(x, residual, self.norm, self.shape.eps)[0]
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:

@@ -45,10 +45,16 @@ class TransformersDecoder:
         return self._model.get_input_embeddings()(ids)
 
     def hidden_states(
-        self, ids: torch.Tensor, positions: torch.Tensor, paged: PagedBatch, embeddings: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        paged: PagedBatch,
+        embeddings: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`positions`: [rows], or [3, 1, rows] for 3-D rotary positions."""
+        """`positions`: [rows], or [3, 1, rows] for 3-D rotary positions; `rows`: the rows wanted (all: None),
+        taken from the whole step's states: transformers' layers compute every row."""
         inputs = {"input_ids": ids[None]} if embeddings is None else {"inputs_embeds": embeddings[None]}
         positions = positions[None] if positions.dim() == 1 else positions
-        out = self._model(**inputs, position_ids=positions, use_cache=False, paged=paged)
-        return out.last_hidden_state[0]
+        hidden = self._model(**inputs, position_ids=positions, use_cache=False, paged=paged).last_hidden_state[0]
+        return hidden if rows is None else hidden[rows]
