@@ -29,12 +29,10 @@ class Process:
         self.log_path = log_path
 
     def events(self) -> list[dict]:
-        """The process's JSON log lines so far, parsed."""
-        parsed = []
-        for line in self.log_path.read_text().splitlines():
-            if line.startswith("{"):
-                parsed.append(json.loads(line))
-        return parsed
+        """The process's JSON log lines so far, parsed; a line it is still writing waits for the next call."""
+        text = self.log_path.read_text()
+        complete = text[: text.rfind("\n") + 1]
+        return [json.loads(line) for line in complete.splitlines() if line.startswith("{")]
 
     def raw_lines(self) -> list[str]:
         """What it wrote that is not a JSON event: a traceback, a warning, a print."""
