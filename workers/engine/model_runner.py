@@ -19,6 +19,8 @@ their features take the place of their placeholder tokens' embeddings.
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
 import os
 import threading
 import time
@@ -255,11 +257,18 @@ class ModelRunner:
 
     def _allocate(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self._geometry.kv_heads, blocks, self.block_size, self._geometry.head_dim)  # see attention.py for why
+        return [(self._zeros(shape), self._zeros(shape)) for _ in range(self._geometry.layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed cache tensor. On the CPU from an anonymous private memory map, which the kernel zeroes a
+        page at a time as it is first touched: torch.zeros writes the whole cache at start-up (1 GiB: about
+        half a second of the first answer) and holds it all resident before a token is stored."""
         dtype = self._model.dtype
-        return [
-            (torch.zeros(shape, dtype=dtype, device=self._device), torch.zeros(shape, dtype=dtype, device=self._device))
-            for _ in range(self._geometry.layers)
-        ]
+        if self._device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self._device)
+        count = math.prod(shape)
+        pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+        return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # it keeps `pages` mapped
 
     @property
     def graphed(self) -> bool:
