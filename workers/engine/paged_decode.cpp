@@ -31,51 +31,37 @@ static void decode(const torch::Tensor& query, const torch::Tensor& key_cache, c
   scalar_t* o = out.data_ptr<scalar_t>();
 
   at::parallel_for(0, sequences * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> scores, query_group(group * dim), accumulator(group * dim), totals(group);
+    std::vector<acc_t> scores, accumulator(group * dim);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t s = pair / kv_heads, h = pair % kv_heads, length = lens[s];
       const int64_t* table = tables + s * width;
       const scalar_t* q_group = q + (s * heads + h * group) * dim;
-      for (int64_t i = 0; i < group * dim; ++i) query_group[i] = acc_t(q_group[i]) * acc_t(scale);
-      scores.resize(group * length);
-      // Block by block: a block's tokens are contiguous, and no token pays a division to find its block.
-      for (int64_t start = 0, b = 0; start < length; start += block_size, ++b) {
-        const int64_t count = std::min(block_size, length - start);
-        const scalar_t* block = keys + (h * blocks + table[b]) * block_size * dim;
-        for (int64_t t = 0; t < count; ++t) {
-          const scalar_t* k = block + t * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const acc_t* qg = query_group.data() + g * dim;
-            acc_t dot = 0;
+      scores.assign(group * length, acc_t(0));
+      for (int64_t t = 0; t < length; ++t) {
+        const scalar_t* k = keys + ((h * blocks + table[t / block_size]) * block_size + t % block_size) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          acc_t dot = 0;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < dim; ++i) dot += qg[i] * acc_t(k[i]);
-            scores[g * length + start + t] = dot;
-          }
+          for (int64_t i = 0; i < dim; ++i) dot += acc_t(q_group[g * dim + i]) * acc_t(k[i]);
+          scores[g * length + t] = dot * acc_t(scale);
         }
       }
+      std::vector<acc_t> totals(group);
       for (int64_t g = 0; g < group; ++g) {
         acc_t* row = scores.data() + g * length;
         const acc_t peak = *std::max_element(row, row + length);
         acc_t total = 0;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < length; ++t) {
-          row[t] = std::exp(row[t] - peak);
-          total += row[t];
-        }
+        for (int64_t t = 0; t < length; ++t) total += (row[t] = std::exp(row[t] - peak));
         totals[g] = total;
       }
       std::fill(accumulator.begin(), accumulator.end(), acc_t(0));
-      for (int64_t start = 0, b = 0; start < length; start += block_size, ++b) {
-        const int64_t count = std::min(block_size, length - start);
-        const scalar_t* block = values + (h * blocks + table[b]) * block_size * dim;
-        for (int64_t t = 0; t < count; ++t) {
-          const scalar_t* v = block + t * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const acc_t weight = scores[g * length + start + t];
-            acc_t* acc = accumulator.data() + g * dim;
+      for (int64_t t = 0; t < length; ++t) {
+        const scalar_t* v = values + ((h * blocks + table[t / block_size]) * block_size + t % block_size) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const acc_t weight = scores[g * length + t];
+          acc_t* acc = accumulator.data() + g * dim;
 #pragma omp simd
-            for (int64_t i = 0; i < dim; ++i) acc[i] += weight * acc_t(v[i]);
-          }
+          for (int64_t i = 0; i < dim; ++i) acc[i] += weight * acc_t(v[i]);
         }
       }
       scalar_t* out_group = o + (s * heads + h * group) * dim;
