@@ -9,6 +9,7 @@ run on the CPU, interpreted and replayed eagerly, in a test of their own.
 
 from __future__ import annotations
 
+import mmap
 import queue
 import random
 import re
@@ -189,6 +190,52 @@ def test_the_triton_kernels_and_decode_graphs_equal_transformers_generate(loaded
     for request_id, (prompt, max_new) in zip(ids, workload, strict=True):
         assert _tokens(results[request_id]) == _reference(reference, prompt, max_new), request_id
     assert h.engine.stats()["reused_tokens"] >= 32  # the shared prefix's full block
+
+
+def _mixed_step() -> StepLayout:
+    """Three sequences decoding (contexts 40, 70, 5), then a 10-token prompt chunk after 32 cached tokens."""
+    return StepLayout([5, 6, 7, *range(10, 20)], [39, 69, 4, *range(32, 42)],
+                      [39, 32 * 4 + 5, 32 * 5 + 4, *(32 * 7 + p for p in range(10))],
+                      [[0, 1], [2, 3, 4], [5], [6, 7]], [40, 70, 5, 42], 3, [3, 13], [0, 1, 2, 12])  # fmt: skip
+
+
+def test_the_native_last_layer_computes_only_the_rows_sampled_and_they_equal_the_whole_steps(loaded):
+    runner = ModelRunner(loaded, EngineConfig(kv_cache_bytes=64 << 20, max_batch_size=8).for_device(loaded.device.type))
+    layers = loaded.model.layers
+    rows_seen: dict[str, list[int]] = {"first": [], "last": []}
+    hooks = [
+        layer.mlp.register_forward_pre_hook(lambda module, args, name=name: rows_seen[name].append(args[0].shape[0]))
+        for name, layer in (("first", layers[0]), ("last", layers[-1]))
+    ]
+    step = _mixed_step()
+    try:
+        with torch.inference_mode():
+            sampled = runner.forward(step)
+            assert rows_seen == {"first": [13], "last": [4]}  # the prompt chunk's last row only, in the last
+            whole = runner.forward(replace(step, sample_rows=list(range(len(step.ids)))))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert rows_seen == {"first": [13, 13], "last": [4, 13]}  # every row, when every row is asked for
+    torch.testing.assert_close(sampled, whole[step.sample_rows], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the CPU's cache comes from a memory map")
+def test_the_cpu_kv_cache_is_zeros_made_resident_only_as_steps_touch_it(loaded):
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+    before = resident_bytes()
+    runner = ModelRunner(loaded, EngineConfig(kv_cache_bytes=512 << 20).for_device("cpu"))
+    grown = resident_bytes() - before
+    assert grown < (512 << 20) // 4, grown  # torch.zeros would have written (and held) all 512 MiB
+    with torch.inference_mode():
+        runner.forward(_mixed_step())
+    keys, values = runner._cache[0]
+    touched = keys[:, 7]  # the prompt chunk's block: its 10 tokens written, the rest still zeros
+    assert touched[:, :10].abs().sum() > 0 and touched[:, 10:].abs().sum() == 0
+    assert keys[:, 100:].abs().sum() == 0 and values[:, 100:].abs().sum() == 0
 
 
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="waiting for a GPU is what this test looks for")
