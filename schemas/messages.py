@@ -327,6 +327,7 @@ class WorkerLoad(_Message):
     inbox_reads: dict[str, int] = {}
     interval_s: float  # the longest wait for its next report
     draining: bool = False  # it finishes what it runs and takes nothing more: route nothing to it
+    tensor_parallel_size: int = Field(default=1, ge=1)  # devices its model is split across
 
 
 class StopClientRequest(_Message):

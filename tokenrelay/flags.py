@@ -152,6 +152,13 @@ def _gateway_options(parser: _Parser) -> None:
     )
 
 
+def _parallel_size(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{value} is not in [1, 64]")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -184,6 +191,21 @@ def _model_options(parser: _Parser) -> None:
         choices=MODEL_IMPLS,
         help="the model code: native (the engine's own, for Llama, Mistral, Qwen2 and Qwen3 from safetensors), "
         "transformers (its modeling classes, any architecture), or auto: native where it can",
+    )
+    _option(
+        parser,
+        "--tensor-parallel-size",
+        type=_parallel_size,
+        default=1,
+        help="split a native model across this many devices (GPUs cuda:0..N-1, or ranks sharing the CPU), one "
+        "process each: this one is rank 0 and starts the others",
+    )
+    _option(
+        parser,
+        "--distributed-init",
+        default="",
+        help="where the ranks of --tensor-parallel-size meet, tcp://HOST:PORT on this host; empty: a free "
+        "loopback port",
     )
     _option(
         parser,

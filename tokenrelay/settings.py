@@ -163,6 +163,8 @@ def _model(args: argparse.Namespace) -> ModelSettings:
         device=args.device,
         dtype=args.dtype or None,
         model_impl=args.model_impl,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init=args.distributed_init or None,
     )
 
 

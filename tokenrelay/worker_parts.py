@@ -45,12 +45,20 @@ def engine_parts(model: ModelSettings, engine: EngineConfig) -> tuple[Model, Eng
     if path.startswith(("/", ".")) and not Path(path).exists():
         raise CannotStart(f"--model {path}: no such directory")
     began = time.monotonic()
-    log.info("loading_model", model=path, device=model.device, model_impl=model.model_impl)
+    log.info(
+        "loading_model",
+        model=path,
+        device=model.device,
+        model_impl=model.model_impl,
+        tensor_parallel_size=model.tensor_parallel_size,
+    )
     _without_torchvision(path)
     from workers.engine.model_loader import load_model
 
     try:
-        loaded = load_model(path, model.device, model.dtype, model.model_impl)
+        loaded = load_model(
+            path, model.device, model.dtype, model.model_impl, model.tensor_parallel_size, model.distributed_init
+        )
     except (OSError, ValueError) as error:  # no such directory or hub id, a file missing; a checkpoint that
         raise CannotStart(f"--model {path}: {error}") from None  # does not fit, a model impl that cannot run it
     log.info(
@@ -61,6 +69,7 @@ def engine_parts(model: ModelSettings, engine: EngineConfig) -> tuple[Model, Eng
         device=str(loaded.device),
         dtype=str(loaded.model.dtype),
         vocab_size=loaded.vocab_size,
+        tensor_parallel_size=loaded.parallel.size,
     )
     return loaded, engine
 

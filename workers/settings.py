@@ -30,4 +30,6 @@ class ModelSettings:
     device: str = "auto"  # auto (CUDA if available), cpu, cuda or cuda:N
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on the CPU
     model_impl: str = "auto"  # native (the engine's own model code), transformers, or auto: native where it can
+    tensor_parallel_size: int = 1  # ranks the model is split across, one process per device
+    distributed_init: str | None = None  # where the ranks meet, tcp://host:port; None: a free loopback port
     simulate: Profile | None = None  # a step-time profile (workers/simulated/) to run instead: no weights, no torch

@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, offer
 from bus.peers import PeerClock, send_own_heartbeat
@@ -59,6 +59,9 @@ TOKENS_AFTER_CANCEL = Counter(
     "tokenrelay_worker_tokens_after_cancel",
     "Tokens generated for requests after their cancellation reached the worker (at most one step's worth).",
     ["model"],
+)
+TENSOR_PARALLEL_SIZE = Gauge(
+    "tokenrelay_worker_tensor_parallel_size", "Ranks (devices) the worker's model is split across.", ["model"]
 )
 _BACKLOG_INTERVAL_S = 5.0
 # A gateway silent this long (three heartbeats) is gone; its requests are cancelled.
@@ -111,6 +114,7 @@ class Worker:
         self._metrics = metrics_of("worker")
         self._metrics.count_from_zero(self.model.name, STREAM_ERRORS)
         TOKENS_AFTER_CANCEL.labels(self.model.name)  # exported at 0 until the first
+        TENSOR_PARALLEL_SIZE.labels(self.model.name).set(loaded.tensor_parallel_size)
         self._topics = request_topics(settings.topic_prefix, self.model.name)
         self._group = worker_group(settings.topic_prefix, self.model.name)
         self._control_topic = control_topic(settings.topic_prefix)
@@ -123,7 +127,12 @@ class Worker:
         self._load = LoadReporter(
             bus,
             self._routing_topic,
-            {"worker_id": settings.worker_id, "model": self.model.name, "inbox": self._inbox_topic},
+            {
+                "worker_id": settings.worker_id,
+                "model": self.model.name,
+                "inbox": self._inbox_topic,
+                "tensor_parallel_size": loaded.tensor_parallel_size,
+            },
             settings.heartbeat_interval_s,
             self._current_load,
         )

@@ -52,6 +52,9 @@ class Runner(Protocol):
     def yield_between_layers(self, callback: Callable[[], None]) -> None:
         """Have `callback` called within steps, between layers, where the device allows it."""
 
+    def close(self) -> None:
+        """The engine is done stepping (its thread has ended)."""
+
 
 class Model(Protocol):
     """What the engine needs of a model: model_loader.py's LoadedModel, or workers/simulated/'s."""
@@ -63,6 +66,10 @@ class Model(Protocol):
 
     @property
     def device_type(self) -> str: ...
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks (devices) it is split across."""
 
     def runner(self, config: EngineConfig, capture: Any = None) -> Runner: ...
 
@@ -171,6 +178,8 @@ class Engine:
         if self.alive():
             self._inbox.put(_STOP)
             self._thread.join(timeout=wait_s)
+        if not self.alive():  # a stuck step holds the runner: it ends with the process
+            self._runner.close()
         if self._grammars is not None:
             self._grammars.close()
 

@@ -6,14 +6,16 @@ A causal LM of a native family (models/) runs on the engine's own model code,
 loaded from the directory's safetensors (`model_impl` "auto", or "native");
 any other model, a hub id, and `model_impl` "transformers" run on
 transformers' modeling classes. The config, tokenizer, chat template and
-generation config come from transformers' loaders either way.
+generation config come from transformers' loaders either way. A native model
+may be split across devices (`tensor_parallel_size`): this process is then
+rank 0 and starts the others (ranks.py), and each loads its share.
 """
 
 from __future__ import annotations
 
 import copy
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,8 +24,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from workers.bundled import DTYPE_NAMES
 from workers.engine.models import FAMILIES, MODEL_IMPLS, native_family
-from workers.engine.models.layers import CausalLM
+from workers.engine.models.layers import CausalLM, Shape
 from workers.engine.models.weights import checkpoint_files, load_checkpoint, load_tensors
+from workers.engine.parallel import SINGLE, TensorParallel
 from workers.engine.pooling import Pooling
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -47,10 +50,16 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     processor: object = None  # a vision-language model's (images to placeholders and pixels); None: text only
     pooling: Pooling | None = Pooling()  # how its embeddings are pooled (pooling.py); None: not served
+    parallel: TensorParallel = SINGLE  # this process's rank, where the model is split across ranks
+    ranks: object = None  # on rank 0 of a split model, the other ranks (ranks.Ranks)
 
     @property
     def device_type(self) -> str:
         return self.device.type
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.parallel.size
 
     @property
     def implementation(self) -> str:
@@ -82,7 +91,13 @@ class LoadedModel:
         """What compiles structured-output grammars for this model's tokenizer (workers/engine/grammar.py)."""
         from workers.engine.grammar import Grammars
 
-        return Grammars(self.tokenizer, self.model.get_output_embeddings().weight.shape[0])
+        logits = self.vocab_size if self.parallel.size > 1 else self.model.get_output_embeddings().weight.shape[0]
+        return Grammars(self.tokenizer, logits)
+
+    def close(self) -> None:
+        """Where the model is split: the other ranks exit (else nothing to do)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def pick_device(requested: str) -> torch.device:
@@ -91,10 +106,20 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def load_model(path: str, device: str = "auto", dtype: str | None = None, model_impl: str = "auto") -> LoadedModel:
+def load_model(
+    path: str,
+    device: str = "auto",
+    dtype: str | None = None,
+    model_impl: str = "auto",
+    tensor_parallel_size: int = 1,
+    distributed_init: str | None = None,
+) -> LoadedModel:
     """Load from a local directory or a hub id: bf16 on CUDA, fp32 on the CPU, unless `dtype` says otherwise;
     `model_impl`: auto (native where the architecture has a family and the directory safetensors), native or
-    transformers."""
+    transformers. With `tensor_parallel_size` N > 1, a native model split across N ranks (this process is
+    rank 0), which meet at `distributed_init` (tcp://host:port; None: a free loopback port)."""
+    if tensor_parallel_size > 1:
+        return _load_split(path, device, dtype, model_impl, tensor_parallel_size, distributed_init)
     target = pick_device(device)
     chosen = _dtype(dtype, target)
     pooling = Pooling.of_model(str(path))
@@ -109,13 +134,7 @@ def load_model(path: str, device: str = "auto", dtype: str | None = None, model_
     tokenizer = AutoTokenizer.from_pretrained(path)
     family = _native(config, model_impl, path)
     if family is not None:
-        model = family(config, target, chosen)
-        load_checkpoint(model, Path(path))
-        try:
-            generation = GenerationConfig.from_pretrained(path)
-        except OSError:  # none saved: transformers derives it from the model's config, as here
-            generation = GenerationConfig.from_model_config(config)
-        return _loaded(model, tokenizer, target, generation, pooling=pooling)
+        return _native_loaded(family, config, tokenizer, path, target, chosen, pooling, SINGLE)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=chosen).to(target).eval()
@@ -151,6 +170,54 @@ def random_model(
     else:
         generation = model.generation_config
     return _loaded(model, tokenizer, target, generation, processor, pooling=Pooling())
+
+
+def _load_split(path, device, dtype, model_impl, size, distributed_init) -> LoadedModel:
+    """Rank 0 of a model split across `size` ranks: checked here, before any rank starts."""
+    if model_impl == "transformers":
+        raise ValueError(
+            "--tensor-parallel-size splits the native model code's families: not --model-impl transformers"
+        )
+    config = AutoConfig.from_pretrained(path)
+    if _is_vision(config):
+        raise ValueError(f"--tensor-parallel-size: {config.model_type} is a vision-language model, which is not split")
+    _native(config, "native", path)  # the errors of a model with no family, or no local safetensors
+    family = native_family(config)
+    shape, parallel = Shape.of(config, **family.options(config)), TensorParallel(0, size)
+    parallel.split(shape.heads, "attention heads")  # what does not divide is an error for every rank
+    parallel.split(shape.intermediate, "MLP intermediate size")
+    parallel.kv_heads(shape.kv_heads)
+    parallel.vocabulary(shape.vocab)
+    from workers.engine import ranks
+
+    target = pick_device(device)
+    started = ranks.start(size, distributed_init, path, target, dtype)
+    try:
+        loaded = load_shard(path, ranks.rank_device(target, 0), dtype, started.parallel)
+    except BaseException:
+        started.close()
+        raise
+    return replace(loaded, ranks=started)
+
+
+def load_shard(path: str, device: torch.device, dtype: str | None, parallel: TensorParallel) -> LoadedModel:
+    """This rank's share of a native model (the group of ranks already joined)."""
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    pooling = Pooling.of_model(str(path))
+    return _native_loaded(
+        native_family(config), config, tokenizer, path, device, _dtype(dtype, device), pooling, parallel
+    )
+
+
+def _native_loaded(family, config, tokenizer, path, device, dtype, pooling, parallel) -> LoadedModel:
+    model = family(config, device, dtype, parallel)
+    load_checkpoint(model, Path(path))
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # none saved: transformers derives it from the model's config, as here
+        generation = GenerationConfig.from_model_config(config)
+    return replace(_loaded(model, tokenizer, device, generation, pooling=pooling), parallel=parallel)
 
 
 def _dtype(dtype: str | None, device: torch.device) -> torch.dtype:

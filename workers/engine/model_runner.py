@@ -14,6 +14,15 @@ that ask for their prompt's log-probabilities; an embed request's rows are
 pooled instead (pooling.py), from any step, graphed or not. For a
 vision-language model, the step's images are encoded first (vision.py) and
 their features take the place of their placeholder tokens' embeddings.
+
+A tensor-parallel model (parallel.py) has a runner on every rank, each with
+the cache of its own KV heads. They are built together (every rank runs the
+constructor, its collectives in the same order: the cache's size, the
+graphs); then rank 0's runner is the engine's, and before each step it
+broadcasts what every rank needs of it, the step packed into one tensor of
+int64 (`_pack`), to the others, which run it as it does (`follow_step`,
+driven by ranks.py). Its sampler's logits come from every rank's share of
+the head (output_head.GatheredHead).
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from workers.engine.attention import KERNELS, PagedBatch, PromptChunk, kernels_f
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.grammar import allowed_tokens
-from workers.engine.output_head import OutputHead
+from workers.engine.output_head import GatheredHead, OutputHead
+from workers.engine.parallel import OP_CLOSE, OP_LOGITS, OP_RUNNER, OP_STEP, SINGLE
 from workers.engine.pooling import PooledRows
 from workers.engine.sampler import Draw, DrawBatch, choose, sample, score
 from workers.engine.scheduler import Chunk
@@ -164,6 +174,36 @@ class PromptScoring:
 
 
 @dataclass(frozen=True)
+class PackedStep:
+    """A step as every rank needs it: one int64 tensor, and the header that says how it divides."""
+
+    # replay (0/1), decodes, block tables' width, then the size of each part of `flat`: ids, positions, slots,
+    # lengths, sample_rows, query_starts, the prefill kernel's tiles, block tables, image_rows, then mrope's
+    header: list[int]
+    flat: torch.Tensor  # on the device
+    host: torch.Tensor | None  # the same on the CPU, where the prompt chunks' masks are built from it
+
+    @property
+    def replay(self) -> bool:
+        return bool(self.header[0])
+
+    @property
+    def decodes(self) -> int:
+        return self.header[1]
+
+    @property
+    def width(self) -> int:
+        return self.header[2]
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.header[3:]
+
+
+_TEXT_STEP_HEADER = 12  # replay, decodes, width and nine sizes
+
+
+@dataclass(frozen=True)
 class KVGeometry:
     """What a model keeps per cached token: keys and values of every layer."""
 
@@ -175,10 +215,14 @@ class KVGeometry:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> KVGeometry:
+        """Of this rank's heads: a tensor-parallel rank caches only its KV heads'."""
         config = model.config.get_text_config()
-        heads = config.num_attention_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype.itemsize, heads)
+        parallel = getattr(model, "parallel", SINGLE)
+        if parallel.size > 1:
+            heads, kv_heads = heads // parallel.size, parallel.kv_heads(kv_heads).size
+        return cls(config.num_hidden_layers, kv_heads, head_dim, model.dtype.itemsize, heads)
 
     @property
     def bytes_per_token(self) -> int:
@@ -190,6 +234,10 @@ class ModelRunner:
         """`config` with its device defaults filled in; `capture`: how decode graphs are captured
         (default: CUDA graphs on a GPU, none on the CPU)."""
         self._model = loaded.model
+        self._parallel = parallel = loaded.parallel
+        if parallel.leader and parallel.size > 1:  # the other ranks build theirs from the same config
+            parallel.send(OP_RUNNER)
+            parallel.send_object(config)
         self._decoder = loaded.decoder()
         self._vision = loaded.vision()
         self._device = loaded.device
@@ -201,7 +249,11 @@ class ModelRunner:
             raise ValueError(f"attention {config.attention!r} is none of auto, {', '.join(KERNELS)}")
         _check_sliding_window(self._model.config.get_text_config(), config.max_seq_len)
         self._decoder.reserve(config.max_seq_len)
-        self.head = OutputHead(self._model.get_output_embeddings())
+        self._shard_head = self.head = OutputHead(self._model.get_output_embeddings())
+        if parallel.size > 1:
+            projection, vocab = self._model.get_output_embeddings(), loaded.vocab_size
+            self._shard_head = GatheredHead(projection, parallel, vocab)  # called by every rank at once
+            self.head = GatheredHead(projection, parallel, vocab, self._announce_logits if parallel.leader else None)
         self._geometry = KVGeometry.of(self._model)
         gpu = self._device.type == "cuda"
         self._processors = (
@@ -210,7 +262,7 @@ class ModelRunner:
         graphs = config.cuda_graphs and self.kernels == "triton" and (gpu or capture is not None)
         bytes_per_block = self._geometry.bytes_per_token * self.block_size
         kv_bytes = config.kv_cache_bytes or self._gpu_kv_cache_bytes(graphs)
-        self.num_blocks = max(1, kv_bytes // bytes_per_block)
+        self.num_blocks = parallel.agree_min(max(1, kv_bytes // bytes_per_block))
         self._cache = self._allocate(self.num_blocks)
         log.info(
             "kv_cache_allocated",
@@ -225,7 +277,7 @@ class ModelRunner:
             self._graphs = self._capture(capture or cuda_graph_capture())
         self._between_layers: Callable[[], None] | None = None
         self._thread: int | None = None  # the engine thread's, once bound
-        if self._device.type == "cpu":
+        if self._device.type == "cpu" and parallel.size == 1:  # the other ranks could not step within a step
             self._hook_layers()
 
     def yield_between_layers(self, callback: Callable[[], None]) -> None:
@@ -335,9 +387,39 @@ class ModelRunner:
         """The last hidden states of `step.sample_rows`; `graphs=False` runs a decode step eagerly."""
         decode_only = step.decodes == len(step.lengths)
         replay = graphs and self._graphs is not None and decode_only and step.decodes <= self._graphs.max_batch_size
-        return self._run(step, self._cache, replay)
+        packed = self._pack(step, replay)
+        if self._parallel.size > 1:
+            self._parallel.send(OP_STEP, *packed.header)
+            self._parallel.broadcast(packed.flat)
+        images = torch.cat(step.image_features) if step.image_features else None
+        return self._run(packed, self._cache, images)
 
-    def _run(self, step: StepLayout, kv, replay: bool) -> torch.Tensor:
+    @torch.inference_mode()
+    def follow_step(self, header: list[int]) -> None:
+        """On a rank other than 0: the step rank 0 has just sent (`forward` there), whose header is followed by
+        zeros (a tensor-parallel model has text only: nine parts, no 3-D positions)."""
+        header = header[:_TEXT_STEP_HEADER]
+        sizes = header[3:]
+        flat = self._parallel.broadcast(torch.empty(sum(sizes), dtype=torch.long, device=self._device))
+        host = flat if self._device.type == "cpu" else flat.cpu() if self.kernels != "triton" else None
+        self._run(PackedStep(header, flat, host), self._cache)
+
+    @torch.inference_mode()
+    def follow_logits(self, rows: int) -> None:
+        """On a rank other than 0: its share of the logits rank 0's sampler has just asked for."""
+        hidden = torch.empty(rows, self._model.shape.hidden, dtype=self._model.dtype, device=self._device)
+        self.head.logits(self._parallel.broadcast(hidden))
+
+    def _announce_logits(self, hidden: torch.Tensor) -> None:
+        self._parallel.send(OP_LOGITS, hidden.shape[0])
+        self._parallel.broadcast(hidden.contiguous())
+
+    def close(self) -> None:
+        """The engine is done with this runner: on rank 0 of a tensor-parallel model, the others drop theirs."""
+        if self._parallel.leader and self._parallel.size > 1:
+            self._parallel.send(OP_CLOSE)
+
+    def _pack(self, step: StepLayout, replay: bool) -> PackedStep:
         width = max(len(t) for t in step.tables)
         tables = [block for t in step.tables for block in (*t, *[0] * (width - len(t)))]
         prefill_work: list[int] = []  # the Triton prefill kernel's tiles
@@ -348,27 +430,39 @@ class ModelRunner:
             prefill_work = prefill_tiles(step.query_starts, rows)
         parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts]
         parts += [prefill_work, tables, step.image_rows, *(step.mrope or ())]
-        flat = to_device(torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long), self._device)
-        ids, positions, slots, lengths, sample_rows, query_starts, tiles, flat_tables, image_rows, *mrope = flat.split(
-            list(map(len, parts))
+        host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
+        header = [int(replay), step.decodes, width, *map(len, parts)]
+        return PackedStep(header, to_device(host, self._device), host)
+
+    def _run(self, packed: PackedStep, kv, images: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's hidden states of its sample rows; `images`: the features of its image rows."""
+        sizes, decodes, width = packed.sizes, packed.decodes, packed.width
+        ids, positions, slots, lengths, sample_rows, query_starts, tiles, flat_tables, image_rows, *mrope = (
+            packed.flat.split(sizes)
         )
-        block_tables = flat_tables.view(len(step.tables), width)
-        if replay:  # a decode step: every row is sampled
+        block_tables = flat_tables.view(-1, width)
+        if packed.replay:  # a decode step: every row is sampled
             return self._graphs.run(ids, positions, slots, block_tables, lengths)[sample_rows]
+        prompts = ()
+        if self.kernels != "triton":
+            host = packed.host.split(sizes)
+            prompts = self._prompt_chunks(host[5].tolist(), host[3].tolist(), host[7].tolist(), decodes, width)
         batch = PagedBatch(
             kv=kv,
             kernels=self.kernels,
             slots=slots,
-            decodes=step.decodes,
+            decodes=decodes,
             block_tables=block_tables,
             lengths=lengths,
-            splits=self.decode_splits(step.decodes, width) if self.kernels == "triton" else 1,
-            query_starts=query_starts if prefill_work else None,
-            tiles=tiles if prefill_work else None,
-            prompts=self._prompt_chunks(step) if self.kernels != "triton" else (),
+            splits=self.decode_splits(decodes, width) if self.kernels == "triton" else 1,
+            query_starts=query_starts if tiles.numel() else None,
+            tiles=tiles if tiles.numel() else None,
+            prompts=prompts,
         )
-        images = (image_rows, torch.cat(step.image_features)) if step.image_features else None
-        return self._forward(ids, torch.stack(mrope)[:, None] if mrope else positions, batch, images, sample_rows)
+        rows_of_images = (image_rows, images) if images is not None else None
+        return self._forward(
+            ids, torch.stack(mrope)[:, None] if mrope else positions, batch, rows_of_images, sample_rows
+        )
 
     def _forward(
         self,
@@ -386,16 +480,20 @@ class ModelRunner:
             embeddings[images[0]] = images[1].to(embeddings.dtype)
         return self._decoder.hidden_states(ids, positions, batch, embeddings, rows)
 
-    def _prompt_chunks(self, step: StepLayout) -> tuple[PromptChunk, ...]:
-        """For the "cpu" and "torch" kernels: each prompt chunk with what its rows see of its blocks."""
+    def _prompt_chunks(
+        self, query_starts: list[int], lengths: list[int], tables: list[int], decodes: int, width: int
+    ) -> tuple[PromptChunk, ...]:
+        """For the "cpu" and "torch" kernels: each prompt chunk with what its rows see of its blocks
+        (`tables`: the step's block tables, flat, `width` per sequence)."""
         chunks = []
-        for index, (first_row, end_row) in enumerate(itertools.pairwise(step.query_starts)):
-            end = step.lengths[step.decodes + index]
+        for index, (first_row, end_row) in enumerate(itertools.pairwise(query_starts)):
+            end = lengths[decodes + index]
             start = end - (end_row - first_row)  # the chunk's first position
             if start == 0:
                 chunks.append(PromptChunk(first_row, end_row, None, None))
                 continue
-            blocks = step.tables[step.decodes + index]
+            row = (decodes + index) * width
+            blocks = tables[row : row + -(-end // self.block_size)]
             queries = torch.arange(start, end, device=self._device).unsqueeze(1)
             keys = torch.arange(len(blocks) * self.block_size, device=self._device).unsqueeze(0)
             blocks_tensor = torch.tensor(blocks, device=self._device)
@@ -440,14 +538,14 @@ class ModelRunner:
         torch.cuda.synchronize(self._device)
         torch.cuda.reset_peak_memory_stats(self._device)
         before = torch.cuda.memory_allocated(self._device)
-        hidden = self._run(step, kv, replay=False)
-        params = SamplingParams(seed=0, do_sample=True, top_p=0.9, typical_p=0.9, repetition_penalty=1.1)
-        choose(
-            self.head.logits(hidden), DrawBatch.of([Draw(params, [0], 0)] * rows, self.head.vocab_size, self._device)
-        )
+        hidden = self._run(self._pack(step, replay=False), kv)
+        logits = self._shard_head.logits(hidden)  # every rank at once
+        if self._parallel.leader:
+            params = SamplingParams(seed=0, do_sample=True, top_p=0.9, typical_p=0.9, repetition_penalty=1.1)
+            choose(logits, DrawBatch.of([Draw(params, [0], 0)] * rows, self.head.vocab_size, self._device))
         torch.cuda.synchronize(self._device)
         peak = torch.cuda.max_memory_allocated(self._device) - before
-        del kv, hidden
+        del kv, hidden, logits
         torch.cuda.empty_cache()
         return peak
 

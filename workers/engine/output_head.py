@@ -90,3 +90,29 @@ def _faster(fast: torch.Tensor, exact: torch.Tensor) -> bool:
 
     with torch.inference_mode():
         return seconds(fast) < 0.7 * seconds(exact)
+
+
+class GatheredHead:
+    """A tensor-parallel model's head, vocabulary-parallel: each rank computes the logits of its rows of the
+    vocabulary, and rank 0 gets them all (parallel.gather_columns). Every rank calls `logits` with the same
+    hidden states; rank 0 first calls `announce(hidden)`, which has the other ranks do so (model_runner.py).
+    Only rank 0 samples: the others' `logits` return None."""
+
+    fast = False  # the bfloat16 argmax would need the whole vocabulary's weights on rank 0
+
+    def __init__(self, projection: torch.nn.Module, parallel, vocab: int, announce=None) -> None:
+        self._weight = projection.weight.detach()
+        self._parallel, self._vocab, self._announce = parallel, vocab, announce
+        self._share = -(-vocab // parallel.size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self._announce is not None:
+            self._announce(hidden)
+        return self._parallel.gather_columns(F.linear(hidden, self._weight), self._share, self._vocab)
+
+    def argmax(self, hidden: torch.Tensor) -> list[int]:
+        return self.logits(hidden).argmax(dim=-1).tolist()

@@ -110,6 +110,9 @@ class SimulatedRunner:
     def yield_between_layers(self, callback: Callable[[], None]) -> None:
         """A simulated step is one wait, with no layers to pause between."""
 
+    def close(self) -> None:
+        """Nothing is held."""
+
     def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> StepOutput:
         prompt = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         decodes = sum(1 for c in chunks if c.num_tokens == 1)
@@ -138,6 +141,7 @@ class SimulatedModel:
     max_position_embeddings: int = 1024 * 1024
     eos_token_ids: frozenset[int] = frozenset([EOS])
     device_type: str = "sim"
+    tensor_parallel_size: int = 1
     pooling: None = None  # no hidden states to pool: embed requests are refused (424), naming the model
 
     def runner(self, config: EngineConfig, capture=None) -> SimulatedRunner:

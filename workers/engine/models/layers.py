@@ -10,9 +10,16 @@ turns on: biases, q/k norm, a tied head.
 
 Parameters are allocated empty on their device in their dtype and filled
 from the checkpoint (weights.py) through `checkpoint_tensors`, which names
-each checkpoint tensor's place in them: the fused projections' parts are
-views of one weight, so a checkpoint's q, k and v land side by side with no
-copy of the model in between.
+each checkpoint tensor's place in them (a `Slot`): the fused projections'
+parts are views of one weight, so a checkpoint's q, k and v land side by
+side with no copy of the model in between.
+
+Under tensor parallelism (parallel.py) each rank builds the same model with
+its share of every layer: QKV and gate-up are column-parallel (each rank its
+query and KV heads, its intermediate rows), o_proj and down_proj are
+row-parallel (each rank its input columns, then one all-reduce), the
+embedding and the head are vocabulary-parallel; a Slot then names the part
+of the checkpoint tensor the rank reads, and nothing else of it is read.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from workers.engine.attention import PagedBatch, attend
 from workers.engine.models.ops import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from workers.engine.parallel import SINGLE, Span, TensorParallel
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -69,26 +77,63 @@ def _parameter(*size: int, device: torch.device, dtype: torch.dtype) -> nn.Param
     return nn.Parameter(torch.empty(size, device=device, dtype=dtype), requires_grad=False)
 
 
-class Linear(nn.Module):
-    """y = x W^T + b, where W may be several checkpoint projections stacked along its rows (`parts`)."""
+@dataclass(frozen=True)
+class Slot:
+    """Where a checkpoint tensor, or the part of it this rank owns, is loaded: `target` (a view of our
+    parameters) takes the checkpoint tensor of `shape` from `start` along `dim`, for target.shape[dim]."""
 
-    def __init__(self, inputs: int, parts: dict[str, int], bias: bool, device, dtype) -> None:
+    target: torch.Tensor
+    shape: tuple[int, ...]
+    dim: int = 0
+    start: int = 0
+
+    @classmethod
+    def whole(cls, target: torch.Tensor) -> Slot:
+        return cls(target, tuple(target.shape))
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, where W may be several checkpoint projections stacked along its rows (`parts`).
+
+    Column-parallel where `parts` are shares of their rows; row-parallel where `inputs` is a share of the
+    input columns: each rank's product is partial, summed by one all-reduce, and the bias added after it."""
+
+    def __init__(
+        self,
+        inputs: int | Span,
+        parts: dict[str, int | Span],
+        bias: bool,
+        device,
+        dtype,
+        parallel: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.parts = parts  # checkpoint name (relative to the layer) -> rows
-        self.weight = _parameter(sum(parts.values()), inputs, device=device, dtype=dtype)
-        self.bias = _parameter(sum(parts.values()), device=device, dtype=dtype) if bias else None
+        self.inputs = inputs if isinstance(inputs, Span) else Span(inputs)
+        # checkpoint name (relative to the layer) -> the span of its rows this rank holds
+        self.parts = {name: rows if isinstance(rows, Span) else Span(rows) for name, rows in parts.items()}
+        self._parallel = parallel if not self.inputs.whole else SINGLE  # row-parallel: reduce
+        outputs = sum(rows.size for rows in self.parts.values())
+        self.weight = _parameter(outputs, self.inputs.size, device=device, dtype=dtype)
+        self.bias = _parameter(outputs, device=device, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self._parallel.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self._parallel.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Slot]:
         tensors, start = {}, 0
         for name, rows in self.parts.items():
             name = f"{prefix}.{name}" if prefix else name
-            tensors[f"{name}.weight"] = self.weight.narrow(0, start, rows)
+            weight = self.weight.narrow(0, start, rows.size)
+            if self.inputs.whole:
+                tensors[f"{name}.weight"] = Slot(weight, (rows.total, self.inputs.total), 0, rows.start)
+            else:
+                tensors[f"{name}.weight"] = Slot(weight, (rows.total, self.inputs.total), 1, self.inputs.start)
             if self.bias is not None:
-                tensors[f"{name}.bias"] = self.bias.narrow(0, start, rows)
-            start += rows
+                tensors[f"{name}.bias"] = Slot(self.bias.narrow(0, start, rows.size), (rows.total,), 0, rows.start)
+            start += rows.size
         return tensors
 
 
@@ -144,14 +189,17 @@ class Rotary:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: Shape, layer: int, rotary: Rotary, device, dtype) -> None:
+    def __init__(self, shape: Shape, layer: int, rotary: Rotary, device, dtype, parallel: TensorParallel) -> None:
         super().__init__()
         self.layer, self.rotary = layer, rotary
-        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
-        self.scaling = shape.head_dim**-0.5
-        q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        dim = shape.head_dim
+        heads, kv_heads = parallel.split(shape.heads, "attention heads"), parallel.kv_heads(shape.kv_heads)
+        self.heads, self.kv_heads, self.head_dim = heads.size, kv_heads.size, dim
+        self.scaling = dim**-0.5
+        q = Span(shape.heads * dim, heads.start * dim, heads.size * dim)
+        kv = Span(shape.kv_heads * dim, kv_heads.start * dim, kv_heads.size * dim)
         self.qkv_proj = Linear(shape.hidden, {"q_proj": q, "k_proj": kv, "v_proj": kv}, shape.qkv_bias, device, dtype)
-        self.o_proj = Linear(q, {"o_proj": shape.hidden}, shape.o_bias, device, dtype)
+        self.o_proj = Linear(q, {"o_proj": shape.hidden}, shape.o_bias, device, dtype, parallel)
         self.eps = shape.eps
         self.q_norm = _parameter(shape.head_dim, device=device, dtype=dtype) if shape.qk_norm else None
         self.k_norm = _parameter(shape.head_dim, device=device, dtype=dtype) if shape.qk_norm else None
@@ -170,35 +218,36 @@ class Attention(nn.Module):
         out = attend(paged, self.layer, q, k, v, self.scaling).view(rows, self.heads * dim)
         return self.o_proj(out if kept is None else out[kept])
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Slot]:
         tensors = self.qkv_proj.checkpoint_tensors(prefix) | self.o_proj.checkpoint_tensors(prefix)
         if self.q_norm is not None:
-            tensors |= {f"{prefix}.q_norm.weight": self.q_norm, f"{prefix}.k_norm.weight": self.k_norm}
+            tensors[f"{prefix}.q_norm.weight"] = Slot.whole(self.q_norm)
+            tensors[f"{prefix}.k_norm.weight"] = Slot.whole(self.k_norm)
         return tensors
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: Shape, device, dtype) -> None:
+    def __init__(self, shape: Shape, device, dtype, parallel: TensorParallel) -> None:
         super().__init__()
-        parts = {"gate_proj": shape.intermediate, "up_proj": shape.intermediate}
-        self.gate_up_proj = Linear(shape.hidden, parts, shape.mlp_bias, device, dtype)
-        self.down_proj = Linear(shape.intermediate, {"down_proj": shape.hidden}, shape.mlp_bias, device, dtype)
+        rows = parallel.split(shape.intermediate, "MLP intermediate size")
+        self.gate_up_proj = Linear(shape.hidden, {"gate_proj": rows, "up_proj": rows}, shape.mlp_bias, device, dtype)
+        self.down_proj = Linear(rows, {"down_proj": shape.hidden}, shape.mlp_bias, device, dtype, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Slot]:
         return self.gate_up_proj.checkpoint_tensors(prefix) | self.down_proj.checkpoint_tensors(prefix)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: Shape, layer: int, rotary: Rotary, device, dtype) -> None:
+    def __init__(self, shape: Shape, layer: int, rotary: Rotary, device, dtype, parallel: TensorParallel) -> None:
         super().__init__()
         self.eps = shape.eps
         self.input_layernorm = _parameter(shape.hidden, device=device, dtype=dtype)
-        self.self_attn = Attention(shape, layer, rotary, device, dtype)
+        self.self_attn = Attention(shape, layer, rotary, device, dtype, parallel)
         self.post_attention_layernorm = _parameter(shape.hidden, device=device, dtype=dtype)
-        self.mlp = MLP(shape, device, dtype)
+        self.mlp = MLP(shape, device, dtype, parallel)
 
     def forward(self, x, residual, positions, paged, kept=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added): the next norm adds them. With
@@ -211,30 +260,51 @@ class DecoderLayer(nn.Module):
         )
         return self.mlp(h), residual
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Slot]:
         return {
-            f"{prefix}.input_layernorm.weight": self.input_layernorm,
-            f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm,
+            f"{prefix}.input_layernorm.weight": Slot.whole(self.input_layernorm),
+            f"{prefix}.post_attention_layernorm.weight": Slot.whole(self.post_attention_layernorm),
             **self.self_attn.checkpoint_tensors(f"{prefix}.self_attn"),
             **self.mlp.checkpoint_tensors(f"{prefix}.mlp"),
         }
 
 
+class VocabEmbedding(nn.Module):
+    """The input embedding. Vocabulary-parallel, each rank looks up the ids among its rows (zero for the
+    others), and an all-reduce sums the ranks' lookups."""
+
+    def __init__(self, rows: Span, hidden: int, device, dtype, parallel: TensorParallel) -> None:
+        super().__init__()
+        self.rows, self._parallel = rows, parallel
+        self.weight = _parameter(rows.size, hidden, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows.whole:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        outside = (local < 0) | (local >= self.rows.size)
+        found = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[:, None], 0)
+        return self._parallel.all_reduce(found)
+
+
 class CausalLM(nn.Module):
-    """A decoder-only model on packed rows; a family subclasses it and says its Shape's options (`options`)."""
+    """A decoder-only model on packed rows; a family subclasses it and says its Shape's options (`options`).
+    With `parallel`, this rank's share of it (the module docstring says which)."""
 
     implementation = "native"
 
-    def __init__(self, config, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config, device: torch.device, dtype: torch.dtype, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.parallel = config, parallel
         self.shape = shape = Shape.of(config, **self.options(config))
         self.rotary = Rotary(config, shape.head_dim, device)
-        empty = torch.empty(shape.vocab, shape.hidden, device=device, dtype=dtype)
-        self.embed_tokens = nn.Embedding(shape.vocab, shape.hidden, _weight=empty, _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(shape, i, self.rotary, device, dtype) for i in range(shape.layers))
+        self.vocabulary = parallel.vocabulary(shape.vocab)  # the embedding's and the head's rows on this rank
+        self.embed_tokens = VocabEmbedding(self.vocabulary, shape.hidden, device, dtype, parallel)
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, i, self.rotary, device, dtype, parallel) for i in range(shape.layers)
+        )
         self.norm = _parameter(shape.hidden, device=device, dtype=dtype)
-        self.lm_head = Linear(shape.hidden, {"lm_head": shape.vocab}, False, device, dtype)
+        self.lm_head = Linear(shape.hidden, {"lm_head": self.vocabulary}, False, device, dtype)
         if shape.tied:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -251,7 +321,7 @@ class CausalLM(nn.Module):
     def num_attention_heads(self) -> int:
         return self.shape.heads
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> VocabEmbedding:
         return self.embed_tokens
 
     def get_output_embeddings(self) -> Linear:
@@ -281,9 +351,14 @@ class CausalLM(nn.Module):
         x, residual = last(x, residual, positions, paged, rows)
         return add_rms_norm(x, residual, self.norm, self.shape.eps)[0]
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Each tensor a checkpoint holds, by its name there, as the view of our parameters it is loaded into."""
-        tensors = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm}
+    def checkpoint_tensors(self) -> dict[str, Slot]:
+        """Each tensor a checkpoint holds, by its name there: the view of our parameters it (or this rank's part
+        of it) is loaded into."""
+        rows, hidden = self.vocabulary, self.shape.hidden
+        tensors = {
+            "model.embed_tokens.weight": Slot(self.embed_tokens.weight, (rows.total, hidden), 0, rows.start),
+            "model.norm.weight": Slot.whole(self.norm),
+        }
         for index, layer in enumerate(self.layers):
             tensors |= layer.checkpoint_tensors(f"model.layers.{index}")
         if not self.shape.tied:

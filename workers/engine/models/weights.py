@@ -5,21 +5,28 @@ read through safetensors' memory map, tensor by tensor: each is copied into
 its place in the model's parameters (layers.CausalLM.checkpoint_tensors; a
 fused projection's parts are views of its one weight), converted to the
 model's dtype and moved to its device on the way, so that no second copy of
-the model is ever held. Anything that does not fit is one error naming the
-tensor and the file: a tensor missing, one the model has no place for, one
-of the wrong shape.
+the model is ever held. A tensor-parallel rank reads only its part of each
+tensor (a slice of the memory map), so that no rank holds the whole model;
+what its loading took at its peak is logged. Anything that does not fit is
+one error naming the tensor and the file: a tensor missing, one the model
+has no place for, one of the wrong shape.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
 
-from workers.engine.models.layers import CausalLM
+from workers.engine.models.layers import CausalLM, Slot
+
+log = structlog.get_logger(__name__)
+_GIB = 2**30
 
 INDEX = "model.safetensors.index.json"
 
@@ -48,44 +55,75 @@ def load_checkpoint(model: CausalLM, directory: Path) -> None:
     if device.type == "cuda":  # safetensors places each tensor on the GPU itself; on the CPU, from the memory map
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     targets = model.checkpoint_tensors()
+    before = _resident_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as file:
             tensors = ((name, file.get_slice(name).get_shape(), _reader(file, name)) for name in file.keys())
             _fill(model, targets, path.name, tensors)
     _check_complete(targets, f"{directory}'s safetensors files ({', '.join(p.name for p in files)})")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_resident_bytes() - before
+    log.info(
+        "weights_loaded",
+        rank=model.parallel.rank,
+        tensor_parallel_size=model.parallel.size,
+        weights_gib=round(weights / _GIB, 3),
+        peak_gib=round(peak / _GIB, 3),  # the device's allocations; on the CPU, the process's resident growth
+    )
 
 
-def _reader(file, name: str) -> Callable[[], torch.Tensor]:
-    return lambda: file.get_tensor(name)
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _peak_resident_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def _reader(file, name: str) -> Callable[[Slot], torch.Tensor]:
+    def read(slot: Slot) -> torch.Tensor:
+        if slot.target.shape == slot.shape:
+            return file.get_tensor(name)
+        part = slice(slot.start, slot.start + slot.target.shape[slot.dim])
+        return file.get_slice(name)[(slice(None),) * slot.dim + (part,)]  # only this part leaves the file
+
+    return read
 
 
 def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """The same from tensors at hand (a transformers model's state dict: a random model's weights)."""
     targets = model.checkpoint_tensors()
-    _fill(model, targets, source, ((name, list(t.shape), lambda t=t: t) for name, t in tensors))
+
+    def reader(tensor: torch.Tensor) -> Callable[[Slot], torch.Tensor]:
+        return lambda slot: tensor.narrow(slot.dim, slot.start, slot.target.shape[slot.dim])
+
+    _fill(model, targets, source, ((name, list(t.shape), reader(t)) for name, t in tensors))
     _check_complete(targets, source)
 
 
 def _fill(
     model: CausalLM,
-    targets: dict[str, torch.Tensor],
+    targets: dict[str, Slot],
     source: str,
-    tensors: Iterable[tuple[str, list[int], Callable[[], torch.Tensor]]],
+    tensors: Iterable[tuple[str, list[int], Callable[[Slot], torch.Tensor]]],
 ) -> None:
-    """Copy each (name, shape, read) into its target, which leaves `targets` (so that what remains is missing)."""
+    """Copy each (name, shape, read) into its slot, which leaves `targets` (so that what remains is missing)."""
     architecture = type(model).__name__
     for name, shape, read in tensors:
-        target = targets.pop(name, None)
-        if target is None:
+        slot = targets.pop(name, None)
+        if slot is None:
             if model.ignores(name):
                 continue
             raise CheckpointError(f"{source}: tensor {name} has no place in {architecture} (or is in two files)")
-        if list(shape) != list(target.shape):
+        if list(shape) != list(slot.shape):
             raise CheckpointError(
                 f"{source}: tensor {name} has shape {list(shape)}, where the config's {architecture} "
-                f"needs {list(target.shape)}"
+                f"needs {list(slot.shape)}"
             )
-        target.copy_(read())
+        slot.target.copy_(read(slot))
 
 
 def _check_complete(targets: dict[str, torch.Tensor], source: str) -> None:
