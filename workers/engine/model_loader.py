@@ -211,6 +211,8 @@ def load_shard(path: str, device: torch.device, dtype: str | None, parallel: Ten
 
 
 def _native_loaded(family, config, tokenizer, path, device, dtype, pooling, parallel) -> LoadedModel:
+    if device.type == "cpu":  # before the weights: each tensor read is freed, and its memory reused by the next
+        keep_freed_memory()
     model = family(config, device, dtype, parallel)
     load_checkpoint(model, Path(path))
     try:

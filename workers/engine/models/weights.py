@@ -14,6 +14,7 @@ has no place for, one of the wrong shape.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 from collections.abc import Callable, Iterable
@@ -60,7 +61,8 @@ def load_checkpoint(model: CausalLM, directory: Path) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as file:
-            tensors = ((name, file.get_slice(name).get_shape(), _reader(file, name)) for name in file.keys())
+            names = list(file.keys())
+            tensors = ((name, file.get_slice(name).get_shape(), _reader(path, device, name)) for name in names)
             _fill(model, targets, path.name, tensors)
     _check_complete(targets, f"{directory}'s safetensors files ({', '.join(p.name for p in files)})")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -75,20 +77,31 @@ def load_checkpoint(model: CausalLM, directory: Path) -> None:
 
 
 def _resident_bytes() -> int:
+    """The process's resident memory now; its peak is counted from here on (Linux: "5" to clear_refs)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
 def _peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    with open("/proc/self/status") as status:
+        peak = next((line for line in status if line.startswith("VmHWM:")), None)
+    if peak is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    return int(peak.split()[1]) * 1024
 
 
-def _reader(file, name: str) -> Callable[[Slot], torch.Tensor]:
+def _reader(path: Path, device: torch.device, name: str) -> Callable[[Slot], torch.Tensor]:
+    """Each tensor through a memory map of its own: the file's pages a read touches are in the process's
+    resident memory while they are mapped, so a map held for the whole file would hold all that was read."""
+
     def read(slot: Slot) -> torch.Tensor:
-        if slot.target.shape == slot.shape:
-            return file.get_tensor(name)
-        part = slice(slot.start, slot.start + slot.target.shape[slot.dim])
-        return file.get_slice(name)[(slice(None),) * slot.dim + (part,)]  # only this part leaves the file
+        with safe_open(str(path), framework="pt", device=str(device)) as file:
+            if slot.target.shape == slot.shape:
+                return file.get_tensor(name)
+            part = slice(slot.start, slot.start + slot.target.shape[slot.dim])
+            return file.get_slice(name)[(slice(None),) * slot.dim + (part,)]  # only this part leaves the file
 
     return read
 
