@@ -8,11 +8,14 @@ also equal transformers' `generate`. Cases cover KV heads split across the
 ranks and replicated on several (fewer KV heads than ranks), a tied and an
 untied head, and row-parallel biases. Loading is measured: each rank's peak
 is its share of the weights, not the whole. And a rank is a part of its
-worker: a SIGTERM drains through rank 0 and ends every rank.
+worker: a SIGTERM drains through rank 0 and ends every rank, and a rank
+SIGKILLed mid-stream ends its worker, whose streams fail over to another
+worker exactly (on the real broker).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -28,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.processes import spawn_tokenrelay, wait_ready
+from tests.test_failover import _body, _joined, _Stream
 from tests.reference import bundled
 from tests.test_engine import _tokens
 from tests.test_native_models import _greedy_ignoring_eos, _harness, write_checkpoint
@@ -233,3 +237,58 @@ def test_a_sigterm_drains_a_split_worker_through_rank_0_and_ends_every_rank(tmp_
     assert not _alive(rank)
     [loaded] = process.events_named("model_loaded")
     assert loaded["tensor_parallel_size"] == 2
+
+
+async def _seeded_streams(url: str, count: int, while_running=None) -> list[_Stream]:
+    streams = [_Stream() for _ in range(count)]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
+        tasks = [asyncio.create_task(s.run(client, url, _body(i))) for i, s in enumerate(streams)]
+        if while_running is not None:
+            await while_running(streams)
+        await asyncio.wait_for(asyncio.gather(*tasks), 150)  # none hangs
+    return streams
+
+
+@pytest.mark.kafka
+async def test_a_rank_killed_mid_stream_ends_its_worker_and_its_streams_resume_identically(
+    kafka_bootstrap, topic_prefix, spawn
+):
+    """A worker split over two ranks beside a whole one, on the real broker: SIGKILL its rank 1 mid-stream.
+    Rank 0 says which rank died and exits non-zero, no rank is left, and the gateway fails the worker's
+    requests over to the other, whose continuations equal the uninterrupted streams (float64 on both, so a
+    split and a whole model draw the same tokens)."""
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix, "--dtype", "float64"]
+    split = spawn("worker", *kafka, "--worker-id", "split", "--tensor-parallel-size", "2")
+    whole = spawn("worker", *kafka, "--worker-id", "whole")
+    port = free_port()
+    gateway = spawn("gateway", "--port", str(port), *kafka[:4])
+    wait_ready(f"http://127.0.0.1:{port}", "tokenrelay-tiny", [split, whole, gateway])
+    deadline = time.monotonic() + 60
+    while not (_joined(split) and _joined(whole)):
+        assert time.monotonic() < deadline, split.log_tail()
+        await asyncio.sleep(0.2)
+    [started] = split.events_named("tensor_parallel_ranks_started")
+    [rank] = started["pids"]
+    url = f"http://127.0.0.1:{port}/v2/models/tokenrelay-tiny/generate_stream"
+    reference = await _seeded_streams(url, 16)
+    admitted_before = len(split.events_named("request_admitted"))
+
+    async def kill_rank(streams: list[_Stream]) -> None:
+        while (
+            sum(len(s.counts) >= 8 for s in streams) < 8
+            or len(split.events_named("request_admitted")) == admitted_before
+        ):
+            await asyncio.sleep(0.05)
+        os.kill(rank, signal.SIGKILL)
+
+    failed = await _seeded_streams(url, 16, kill_rank)
+    for i, (expected, got) in enumerate(zip(reference, failed, strict=True)):
+        assert got.counts == list(range(1, len(got.counts) + 1)), i  # no token missing, none twice
+        assert "".join(got.texts) == "".join(expected.texts), i
+    failovers = gateway.events_named("request_failing_over")
+    assert failovers and {(f["reason"], f["worker_id"]) for f in failovers} == {("worker gone", "split")}, failovers
+    assert split.popen.wait(30) == 1
+    [died] = split.events_named("tensor_parallel_rank_died")
+    assert (died["rank"], died["pid"]) == (1, rank)
+    assert not _alive(rank) and _ranks_of(split.popen.pid) == []
+    assert whole.popen.poll() is None
