@@ -33,6 +33,7 @@ from tokenrelay.settings import Settings
 
 CHART = REPO / "deploy" / "helm" / "tokenrelay"
 TWO_MODELS = REPO / "deploy" / "helm" / "two-models.yaml"
+LLAMA_70B = REPO / "deploy" / "helm" / "llama-70b.yaml"
 EXAMPLES = sorted((REPO / "deploy" / "helm").glob("*.yaml"))  # the example values files, each rendered
 CRD_SCHEMAS = REPO / "deploy" / "helm" / "crd-schemas"
 RENDER = REPO / ".tools" / "bin" / "helm-render"
@@ -354,6 +355,52 @@ def test_worker_memory_is_the_defaults_unless_a_model_has_its_own(render):
     }
 
 
+def _shm(deployment: dict) -> str:
+    """The size of the memory emptyDir the worker mounts at /dev/shm."""
+    spec, container = deployment["spec"]["template"]["spec"], _container(deployment)
+    (mount,) = (m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    (volume,) = (v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"
+    return volume["emptyDir"]["sizeLimit"]
+
+
+def test_a_model_split_across_gpus_asks_for_one_per_rank_and_a_larger_shm(render):
+    """tensorParallelSize N: --tensor-parallel-size N, nvidia.com/gpu N requested and limited (over the defaults'
+    1, or added to a model's own resources), a /dev/shm for NCCL between the ranks' processes; the rest as before."""
+    worker = yaml.safe_load((CHART / "values.yaml").read_text())["worker"]
+    deployments = _by_kind(
+        render({"models": [{"name": "split", "tensorParallelSize": 2}, {"name": "whole"}]}), "Deployment"
+    )
+    split, whole = deployments["tokenrelay-worker-split"], deployments["tokenrelay-worker-whole"]
+    assert _env(_container(split))["TOKENRELAY_TENSOR_PARALLEL_SIZE"] == "2"
+    assert _settings(split).model.tensor_parallel_size == 2
+    assert _container(split)["resources"] == {
+        "requests": {"nvidia.com/gpu": 2, "cpu": "2", "memory": "16Gi"},
+        "limits": {"nvidia.com/gpu": 2, "memory": "16Gi"},
+    }
+    assert _shm(split) == worker["tensorParallelShmSize"] == "8Gi"
+    (default,) = (d for name, d in _by_kind(render(), "Deployment").items() if "-worker-" in name)
+    for deployment in (default, whole):  # one GPU, one process, the shm of one
+        assert "TOKENRELAY_TENSOR_PARALLEL_SIZE" not in _env(_container(deployment))
+        assert _settings(deployment).model.tensor_parallel_size == 1
+        assert _container(deployment)["resources"] == worker["resources"]
+        assert _shm(deployment) == worker["shmSize"] == "2Gi"
+    (llama,) = (d for name, d in _by_kind(render(LLAMA_70B), "Deployment").items() if "-worker-" in name)
+    assert _settings(llama).model.tensor_parallel_size == 8
+    assert _container(llama)["resources"] == {
+        "requests": {"nvidia.com/gpu": 8, "cpu": "16", "memory": "96Gi"},
+        "limits": {"nvidia.com/gpu": 8, "memory": "96Gi"},
+    }
+    assert _shm(llama) == "8Gi"
+    # On the CPU the ranks share its cores: no GPU asked for. A model's own shmSize wins.
+    resources = {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+    cpu = {"name": "cpu", "tensorParallelSize": 4, "env": {"device": "cpu"}, "resources": resources, "shmSize": "3Gi"}
+    (deployment,) = (d for name, d in _by_kind(render({"models": [cpu]}), "Deployment").items() if "-worker-" in name)
+    assert _settings(deployment).model.tensor_parallel_size == 4
+    assert _container(deployment)["resources"] == resources
+    assert _shm(deployment) == "3Gi"
+
+
 # Pod Security Standards (kubernetes.io/docs/concepts/security/pod-security-standards), as the admission controller
 # applies "restricted" to a pod: the baseline's controls on host access and privileges, then restricted's own.
 _RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected"}
@@ -520,6 +567,14 @@ def test_the_chart_refuses_what_cannot_work(render):
         render({"models": [{"name": "a"}, {"name": "a"}]})
     with pytest.raises(AssertionError, match="both hubId and path"):
         render({"models": [{"name": "a", "hubId": "x/y", "path": "/m"}]})
+    for size in (0, 65, 2.5):
+        with pytest.raises(AssertionError, match="tensorParallelSize"):
+            render({"models": [{"name": "a", "tensorParallelSize": size}]})
+    with pytest.raises(AssertionError, match="not env tensor-parallel-size"):
+        render({"models": [{"name": "a", "tensorParallelSize": 2, "env": {"tensor-parallel-size": 4}}]})
+    one_gpu = {"requests": {"nvidia.com/gpu": 1, "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
+    with pytest.raises(AssertionError, match="one GPU per rank"):
+        render({"models": [{"name": "a", "tensorParallelSize": 2, "resources": one_gpu}]})
     with pytest.raises(AssertionError, match="no time to drain"):
         render({"gateway": {"terminationGracePeriodSeconds": 15}})
 

@@ -31,9 +31,9 @@ import torch
 from safetensors.torch import save_file
 
 from tests.processes import spawn_tokenrelay, wait_ready
-from tests.test_failover import _body, _joined, _Stream
 from tests.reference import bundled
 from tests.test_engine import _tokens
+from tests.test_failover import _body, _joined, _Stream
 from tests.test_native_models import _greedy_ignoring_eos, _harness, write_checkpoint
 from tokenrelay.topology import free_port
 from workers.engine.model_loader import load_model

@@ -15,6 +15,9 @@ ranks (as vLLM does), so that each rank's query heads find theirs locally.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +46,28 @@ class Span:
 # says what follows (model_runner.py).
 OP_RUNNER, OP_STEP, OP_LOGITS, OP_CLOSE, OP_EXIT = range(1, 6)
 HEADER = 16  # int64s
+
+
+@dataclass
+class CollectiveClock:
+    """Time this process spends in collectives (their waits for the other ranks included): what
+    `tokenrelay bench engine --tensor-parallel-size` reports as their share of a step. On the CPU (gloo) a
+    collective returns when it is done; NCCL's return once queued, so on GPUs this counts the queueing only."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
+
+
+COLLECTIVES = CollectiveClock()
 
 
 @dataclass(frozen=True)
@@ -86,12 +111,14 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of each one's `x`, in place (a row-parallel layer's partial products)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            with COLLECTIVES.timing():
+                dist.all_reduce(x)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x`, in place on every rank."""
-        dist.broadcast(x, 0)
+        with COLLECTIVES.timing():
+            dist.broadcast(x, 0)
         return x
 
     def send(self, op: int, *values: int) -> None:
@@ -128,7 +155,8 @@ class TensorParallel:
             return x
         padded = F.pad(x, (0, share - x.shape[1])) if x.shape[1] < share else x.contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)] if self.leader else None
-        dist.gather(padded, parts, dst=0)
+        with COLLECTIVES.timing():
+            dist.gather(padded, parts, dst=0)
         return torch.cat(parts, dim=1)[:, :total] if parts is not None else None
 
 

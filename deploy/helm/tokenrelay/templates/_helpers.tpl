@@ -147,11 +147,36 @@ server's last 5 s and the bus to close. Takes (list grace preStopSleep). */}}
     "metrics-address" (printf "0.0.0.0:%v" $w.metricsPort)
     "drain-timeout" (include "tokenrelay.drainTimeout" (list $w.terminationGracePeriodSeconds 0))
     "served-model-name" $served -}}
+{{- $size := hasKey $m "tensorParallelSize" | ternary $m.tensorParallelSize ($w.tensorParallelSize | default 1) -}}
+{{- if not (regexMatch "^[0-9]+$" (toString $size)) -}}
+{{- fail (printf "models: %s: tensorParallelSize %v is not a whole number" $m.name $size) -}}
+{{- end -}}
+{{- $size = int64 $size -}}
+{{- if or (lt $size 1) (gt $size 64) -}}
+{{- fail (printf "models: %s: tensorParallelSize %d is not in [1, 64]" $m.name $size) -}}
+{{- end -}}
+{{- if gt $size 1 }}{{ $_ := set $flags "tensor-parallel-size" $size }}{{ end -}}
 {{- if $m.hubId }}{{ $_ := set $flags "model" $m.hubId }}{{ end -}}
 {{- if $m.path -}}
 {{- $_ := set $flags "model" (ternary $m.path (printf "%s/%s" $mountPath $m.path) (hasPrefix "/" $m.path)) -}}
 {{- end -}}
 {{- $flags = mergeOverwrite $flags (deepCopy ($w.env | default dict)) (deepCopy ($m.env | default dict)) -}}
+{{- if ne (include "tokenrelay.envValue" (get $flags "tensor-parallel-size" | default 1)) (toString $size) -}}
+{{- fail (printf "models: %s: set tensorParallelSize, not env tensor-parallel-size: it sizes the pod's GPUs and /dev/shm too" $m.name) -}}
+{{- end -}}
+{{/* Split across GPUs: nvidia.com/gpu is the size, requested and limited (values.yaml, worker.tensorParallelSize). */}}
+{{- $resources := deepCopy (hasKey $m "resources" | ternary $m.resources $w.resources | default dict) -}}
+{{- if and (gt $size 1) (ne (toString (get $flags "device")) "cpu") -}}
+{{- range $kind := list "requests" "limits" -}}
+{{- $amounts := get $resources $kind | default dict -}}
+{{- $gpus := get $amounts "nvidia.com/gpu" -}}
+{{- if and (hasKey $m "resources") $gpus (ne (toString $gpus) (toString $size)) -}}
+{{- fail (printf "models: %s: resources.%s asks for nvidia.com/gpu %v, tensorParallelSize %d: one GPU per rank" $m.name $kind $gpus $size) -}}
+{{- end -}}
+{{- $_ := set $amounts "nvidia.com/gpu" $size -}}
+{{- $_ := set $resources $kind $amounts -}}
+{{- end -}}
+{{- end -}}
 {{- $names := get $flags "served-model-name" -}}
 {{- if not (kindIs "slice" $names) }}{{ $names = splitList "," (toString $names) }}{{ end -}}
 {{- $fullname := include "tokenrelay.fullname" $root -}}
@@ -167,7 +192,8 @@ replicas: {{ hasKey $m "replicas" | ternary $m.replicas $w.replicas }}
 minReplicas: {{ hasKey $m "minReplicas" | ternary $m.minReplicas $k.minReplicas }}
 maxReplicas: {{ hasKey $m "maxReplicas" | ternary $m.maxReplicas $k.maxReplicas }}
 lagThreshold: {{ hasKey $m "lagThreshold" | ternary $m.lagThreshold $k.lagThreshold }}
-resources: {{ toJson (hasKey $m "resources" | ternary $m.resources $w.resources) }}
+resources: {{ toJson $resources }}
+shmSize: {{ hasKey $m "shmSize" | ternary $m.shmSize (gt $size 1 | ternary $w.tensorParallelShmSize $w.shmSize) | quote }}
 nodeSelector: {{ toJson (hasKey $m "nodeSelector" | ternary $m.nodeSelector $w.nodeSelector) }}
 tolerations: {{ toJson (hasKey $m "tolerations" | ternary $m.tolerations $w.tolerations) }}
 affinity: {{ toJson (hasKey $m "affinity" | ternary $m.affinity $w.affinity) }}
