@@ -126,3 +126,23 @@ async def test_a_connection_closed_before_any_answer_is_a_refusal_to_retry_elsew
     async with server, httpx.AsyncClient() as client:
         with pytest.raises(Refused, match="RemoteProtocolError|ReadError"):
             await stream(client, f"http://127.0.0.1:{port}/v2/models/m/generate_stream", Kind("x", 1, 4))
+
+
+def test_the_engine_bench_runs_the_engine_split_beside_the_whole_model_and_says_the_collectives_share():
+    run = subprocess.run(
+        [TOKENRELAY, "bench", "engine", "--model-impl", "native", "--tensor-parallel-size", "2", "--repeat", "1"]
+        + ["--requests", "4", "--prompt-lens", "8", "24", "--output-lens", "4", "8", "--step-batches", "1"]
+        + ["--skip", "one_at_a_time", "static_batches", "continuous", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    engines, split = report["engines"], report["tensor_parallel"]
+    assert set(engines) == {"native", "native_tp2"}
+    assert engines["native_tp2"]["output_tokens"] == engines["native"]["output_tokens"] > 0
+    assert split["size"] == 2
+    assert split["ratio"] == round(engines["native_tp2"]["tokens_per_s"] / engines["native"]["tokens_per_s"], 2)
+    assert 0 < split["collective_share"] < 1
+    assert [s["batch"] for s in report["decode_steps_by_impl"]["native_tp2"]] == [1]
