@@ -28,13 +28,13 @@ import time
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from tests.processes import spawn_tokenrelay, wait_ready
 from tests.reference import bundled
 from tests.test_engine import _tokens
 from tests.test_failover import _body, _joined, _Stream
 from tests.test_native_models import _greedy_ignoring_eos, _harness, write_checkpoint
+from tokenrelay.bench.shard import LLAMA3_70B, write_llama_checkpoint
 from tokenrelay.topology import free_port
 from workers.engine.model_loader import load_model
 
@@ -102,47 +102,23 @@ def test_a_split_model_answers_what_the_whole_one_does_and_transformers_generate
 
 
 def _write_large_checkpoint(directory) -> tuple[int, int]:
-    """A Llama of about half a GiB in float32, written as one safetensors file; (its weights' bytes, its
-    largest tensor's)."""
+    """A Llama of about half a GiB in float32, as bench shard writes Llama-3-70B's shape; (its weights' bytes,
+    its largest tensor's)."""
     config = dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
+        LLAMA3_70B,
         vocab_size=8192,
         hidden_size=1024,
         intermediate_size=4096,
         num_hidden_layers=6,
         num_attention_heads=8,
         num_key_value_heads=8,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
         torch_dtype="float32",
     )
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    generator = torch.Generator().manual_seed(0)
-
-    def weight(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=generator) * 0.02
-
-    vocab = config["vocab_size"]
-    tensors = {"model.embed_tokens.weight": weight(vocab, hidden), "lm_head.weight": weight(vocab, hidden)}
-    tensors["model.norm.weight"] = torch.ones(hidden)
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}"
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            tensors[f"{prefix}.self_attn.{name}.weight"] = weight(hidden, hidden)
-        tensors[f"{prefix}.mlp.gate_proj.weight"] = weight(inner, hidden)
-        tensors[f"{prefix}.mlp.up_proj.weight"] = weight(inner, hidden)
-        tensors[f"{prefix}.mlp.down_proj.weight"] = weight(hidden, inner)
-        tensors[f"{prefix}.input_layernorm.weight"] = torch.ones(hidden)
-        tensors[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(hidden)
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config))
+    total = write_llama_checkpoint(directory, config, 2**40, torch.float32)  # one file
     bundled().tokenizer.save_pretrained(directory)
-    sizes = [t.numel() * t.element_size() for t in tensors.values()]
-    return sum(sizes), max(sizes)
+    return total, 8192 * 1024 * 4
 
 
 _LOAD = """

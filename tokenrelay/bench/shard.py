@@ -84,10 +84,13 @@ print(json.dumps({"load_s": load_s, "first_token_s": times[0], "per_token_s": su
 """
 
 
-def write_checkpoint(directory: Path, config: dict, shard_bytes: int) -> int:
-    """Random bf16 weights of `config` as sharded safetensors, a tensor at a time; the weights' bytes."""
+def write_llama_checkpoint(directory: Path, config: dict, shard_bytes: int, dtype=None) -> int:
+    """Random weights of a Llama `config` (bf16, or `dtype`) as sharded safetensors, a tensor at a time; the
+    weights' bytes."""
     import torch
     from safetensors.torch import save_file
+
+    dtype = dtype or torch.bfloat16
 
     hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
@@ -121,13 +124,14 @@ def write_checkpoint(directory: Path, config: dict, shard_bytes: int) -> int:
 
     for name, shape in shapes.items():
         if len(shape) == 1:
-            tensor = torch.ones(shape, dtype=torch.bfloat16)
+            tensor = torch.ones(shape, dtype=dtype)
         else:  # scaled so that activations stay of order 1 through the layers
-            tensor = (torch.randn(shape, generator=generator) * shape[1] ** -0.5).to(torch.bfloat16)
-        if shard and sum(t.numel() * 2 for t in shard.values()) + tensor.numel() * 2 > shard_bytes:
+            tensor = (torch.randn(shape, generator=generator) * shape[1] ** -0.5).to(dtype)
+        size = tensor.numel() * tensor.element_size()
+        if shard and sum(t.numel() * t.element_size() for t in shard.values()) + size > shard_bytes:
             flush()
         shard[name] = tensor
-        total += tensor.numel() * 2
+        total += size
     flush()
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -166,7 +170,7 @@ def main(argv: list[str]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         config = {**LLAMA3_70B, "num_hidden_layers": args.layers}
-        total = write_checkpoint(directory, config, int(args.shard_gib * _GIB))
+        total = write_llama_checkpoint(directory, config, int(args.shard_gib * _GIB))
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (BUNDLED_MODEL / name).exists():
                 shutil.copy(BUNDLED_MODEL / name, directory / name)

@@ -275,6 +275,8 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None
         if graphs:
             self._graphs = self._capture(capture or cuda_graph_capture())
+            if not parallel.agree_min(int(self._graphs is not None)):  # every rank replays, or none does
+                self._graphs = None
         self._between_layers: Callable[[], None] | None = None
         self._thread: int | None = None  # the engine thread's, once bound
         if self._device.type == "cpu" and parallel.size == 1:  # the other ranks could not step within a step
