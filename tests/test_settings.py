@@ -33,6 +33,8 @@ SAMPLES = {
     "--metrics-address": ["127.0.0.1:9100"],
     "--kafka-bootstrap": ["broker-b:9092"],
     "--allowed-media-domains": ["example.com,images.example.org"],
+    "--tensor-parallel-size": ["2"],
+    "--distributed-init": ["tcp://127.0.0.1:29500"],
 }
 SIMULATE = {"worker": "bundled-cpu", "simulate": "llama-1.1b-h200"}  # a profile other than the default
 TLS = {"--tls-cert": "cert.pem", "--tls-key": "key.pem", "--tls-ca": "ca.pem"}  # they go together

@@ -268,3 +268,14 @@ async def test_a_rank_killed_mid_stream_ends_its_worker_and_its_streams_resume_i
     assert (died["rank"], died["pid"]) == (1, rank)
     assert not _alive(rank) and _ranks_of(split.popen.pid) == []
     assert whole.popen.poll() is None
+
+
+def test_a_size_the_model_cannot_be_split_by_is_refused_before_any_rank_starts(tmp_path):
+    write_checkpoint(tmp_path, "llama3")  # 4 query heads, 2 KV heads, MLP 96
+    with pytest.raises(ValueError, match=r"tensor parallel size 3 must divide the model's attention heads \(4\)"):
+        load_model(str(tmp_path), "cpu", "float64", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="splits the native model code's families: not --model-impl transformers"):
+        load_model(str(tmp_path), "cpu", "float64", model_impl="transformers", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"size 8 must divide the model's attention heads \(4\)"):
+        load_model(str(tmp_path), "cpu", "float64", tensor_parallel_size=8)
+    assert _ranks_of(os.getpid()) == []
