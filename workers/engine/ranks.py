@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -46,7 +44,6 @@ from workers.engine.parallel import OP_CLOSE, OP_EXIT, OP_LOGITS, OP_RUNNER, OP_
 
 log = structlog.get_logger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _RENDEZVOUS_TIMEOUT = timedelta(minutes=30)  # ranks load their weights between the rendezvous and the first step
 _EXIT_WAIT_S = 10.0
 
@@ -120,27 +117,27 @@ def start(size: int, init: str | None, path: str, device: torch.device, dtype: s
             "dtype": dtype,
             "parent": os.getpid(),
         }
-        processes.append(subprocess.Popen([sys.executable, "-m", "workers.engine.ranks", json.dumps(spec)]))
+        processes.append(subprocess.Popen([sys.executable, "-m", "workers.engine.rank_process", json.dumps(spec)]))
     log.info("tensor_parallel_ranks_started", size=size, init=init, pids=[p.pid for p in processes])
     try:
-        _join(0, size, init, device)
+        join(0, size, init, device)
     except BaseException:
         for process in processes:
             process.kill()
         raise
-    ranks = Ranks(TensorParallel(0, size, _collective_device(device)), processes, threads)
+    ranks = Ranks(TensorParallel(0, size, collective_device(device)), processes, threads)
     ranks.watch()
     return ranks
 
 
-def _join(rank: int, size: int, init: str, device: torch.device) -> None:
+def join(rank: int, size: int, init: str, device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(rank_device(device, rank))
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=_RENDEZVOUS_TIMEOUT)
 
 
-def _collective_device(device: torch.device) -> torch.device:
+def collective_device(device: torch.device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else torch.device("cpu")
 
 
@@ -169,36 +166,3 @@ def follow(loaded) -> None:
             return
         else:
             raise RuntimeError(f"rank {parallel.rank}: rank 0 sent op {op}, which is none of ours")
-
-
-def _die_with(parent: int) -> None:
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the line above
-        os._exit(1)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def main(argv: list[str]) -> None:
-    spec = json.loads(argv[1])
-    _die_with(spec["parent"])
-    from telemetry.logs import configure
-
-    configure(process=f"tokenrelay-rank-{spec['rank']}")
-    structlog.contextvars.bind_contextvars(rank=spec["rank"])
-    rank, size, device = spec["rank"], spec["size"], torch.device(spec["device"])
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    _join(rank, size, spec["init"], device)
-    from workers.engine.model_loader import load_shard
-
-    parallel = TensorParallel(rank, size, _collective_device(device))
-    loaded = load_shard(spec["path"], rank_device(device, rank), spec["dtype"], parallel)
-    log.info("tensor_parallel_rank_ready", rank=rank, size=size, device=str(rank_device(device, rank)))
-    follow(loaded)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv)
