@@ -234,7 +234,8 @@ async def test_a_rank_killed_mid_stream_ends_its_worker_and_its_streams_resume_i
     requests over to the other, whose continuations equal the uninterrupted streams (float64 on both, so a
     split and a whole model draw the same tokens)."""
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix, "--dtype", "float64"]
-    split = spawn("worker", *kafka, "--worker-id", "split", "--tensor-parallel-size", "2")
+    metrics = f"127.0.0.1:{free_port()}"
+    split = spawn("worker", *kafka, "--worker-id", "split", "--tensor-parallel-size", "2", "--metrics-address", metrics)
     whole = spawn("worker", *kafka, "--worker-id", "whole")
     port = free_port()
     gateway = spawn("gateway", "--port", str(port), *kafka[:4])
@@ -245,6 +246,8 @@ async def test_a_rank_killed_mid_stream_ends_its_worker_and_its_streams_resume_i
         await asyncio.sleep(0.2)
     [started] = split.events_named("tensor_parallel_ranks_started")
     [rank] = started["pids"]
+    exported = httpx.get(f"http://{metrics}/metrics", timeout=10).text
+    assert 'tokenrelay_worker_tensor_parallel_size{model="tokenrelay-tiny"} 2.0' in exported
     url = f"http://127.0.0.1:{port}/v2/models/tokenrelay-tiny/generate_stream"
     reference = await _seeded_streams(url, 16)
     admitted_before = len(split.events_named("request_admitted"))
