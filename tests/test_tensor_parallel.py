@@ -178,16 +178,19 @@ def _ranks_of(pid: int) -> list[int]:
 
 
 def test_a_sigterm_drains_a_split_worker_through_rank_0_and_ends_every_rank(tmp_path):
-    """serve with two ranks: a stream under way when SIGTERM comes runs to its end, then both ranks exit."""
+    """serve with two ranks meeting at --distributed-init: a stream under way when SIGTERM comes runs to its end,
+    then both ranks exit."""
     port = free_port()
-    process = spawn_tokenrelay(["serve", "--port", str(port), "--tensor-parallel-size", "2"], tmp_path / "serve.log")
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"  # the flag's own port
+    serve = ["serve", "--port", str(port), "--tensor-parallel-size", "2", "--distributed-init", rendezvous]
+    process = spawn_tokenrelay(serve, tmp_path / "serve.log")
     url = f"http://127.0.0.1:{port}"
     events: list[dict] = []
     try:
         wait_ready(url, "tokenrelay-tiny", [process])
         [started] = process.events_named("tensor_parallel_ranks_started")
         [rank] = started["pids"]
-        assert _alive(rank)
+        assert _alive(rank) and started["init"] == rendezvous
         parameters = {"max_new_tokens": 64, "do_sample": True, "seed": 5, "details": True}
         body = {"text_input": "The os module", "parameters": parameters}
 
@@ -281,4 +284,6 @@ def test_a_size_the_model_cannot_be_split_by_is_refused_before_any_rank_starts(t
         load_model(str(tmp_path), "cpu", "float64", model_impl="transformers", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"size 8 must divide the model's attention heads \(4\)"):
         load_model(str(tmp_path), "cpu", "float64", tensor_parallel_size=8)
+    with pytest.raises(ValueError, match=r"--distributed-init '127.0.0.1:29500': tcp://HOST:PORT is the form"):
+        load_model(str(tmp_path), "cpu", "float64", tensor_parallel_size=2, distributed_init="127.0.0.1:29500")
     assert _ranks_of(os.getpid()) == []

@@ -181,8 +181,7 @@ def _load_split(path, device, dtype, model_impl, size, distributed_init) -> Load
     config = AutoConfig.from_pretrained(path)
     if _is_vision(config):
         raise ValueError(f"--tensor-parallel-size: {config.model_type} is a vision-language model, which is not split")
-    _native(config, "native", path)  # the errors of a model with no family, or no local safetensors
-    family = native_family(config)
+    family = _native(config, "native", path)  # or the error of a model with no family, or no local safetensors
     shape, parallel = Shape.of(config, **family.options(config)), TensorParallel(0, size)
     parallel.split(shape.heads, "attention heads")  # what does not divide is an error for every rank
     parallel.split(shape.intermediate, "MLP intermediate size")

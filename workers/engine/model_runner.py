@@ -221,7 +221,7 @@ class KVGeometry:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         parallel = getattr(model, "parallel", SINGLE)
         if parallel.size > 1:
-            heads, kv_heads = heads // parallel.size, parallel.kv_heads(kv_heads).size
+            heads, kv_heads = parallel.split(heads, "attention heads").size, parallel.kv_heads(kv_heads).size
         return cls(config.num_hidden_layers, kv_heads, head_dim, model.dtype.itemsize, heads)
 
     @property
@@ -446,7 +446,7 @@ class ModelRunner:
         if packed.replay:  # a decode step: every row is sampled
             return self._graphs.run(ids, positions, slots, block_tables, lengths)[sample_rows]
         prompts = ()
-        if self.kernels != "triton":
+        if self.kernels != "triton" and sizes[5]:  # prompt chunks (query_starts), and kernels that take them
             host = packed.host.split(sizes)
             prompts = self._prompt_chunks(host[5].tolist(), host[3].tolist(), host[7].tolist(), decodes, width)
         batch = PagedBatch(

@@ -55,7 +55,6 @@ class CollectiveClock:
     collective returns when it is done; NCCL's return once queued, so on GPUs this counts the queueing only."""
 
     seconds: float = 0.0
-    calls: int = 0
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
@@ -64,7 +63,6 @@ class CollectiveClock:
             yield
         finally:
             self.seconds += time.perf_counter() - started
-            self.calls += 1
 
 
 COLLECTIVES = CollectiveClock()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from telemetry.logs import configure
 from workers.engine.model_loader import load_shard
 from workers.engine.parallel import TensorParallel
-from workers.engine.ranks import collective_device, follow, join, rank_device
+from workers.engine.ranks import collective_device, cpu_threads, follow, join, rank_device, rendezvous
 
 log = structlog.get_logger(__name__)
 
@@ -44,8 +44,8 @@ def main(argv: list[str]) -> None:
     structlog.contextvars.bind_contextvars(rank=spec["rank"])
     rank, size, device = spec["rank"], spec["size"], torch.device(spec["device"])
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    join(rank, size, spec["init"], device)
+        torch.set_num_threads(cpu_threads(size))
+    join(rank, size, device, rendezvous(spec["init"], size))
     parallel = TensorParallel(rank, size, collective_device(device))
     loaded = load_shard(spec["path"], rank_device(device, rank), spec["dtype"], parallel)
     log.info("tensor_parallel_rank_ready", rank=rank, size=size, device=str(rank_device(device, rank)))

@@ -25,14 +25,13 @@ does not do.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
+import urllib.parse
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -100,12 +99,19 @@ class Ranks:
         atexit.unregister(self.close)
 
 
+def cpu_threads(size: int) -> int:
+    """Each rank's torch threads where `size` ranks share the CPU's cores."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
 def start(size: int, init: str | None, path: str, device: torch.device, dtype: str | None) -> Ranks:
     """On rank 0: spawn ranks 1..size-1 to load `path` and follow this process, and join their group."""
-    init = init or f"tcp://127.0.0.1:{_free_port()}"
+    host, port = address(init) if init else ("127.0.0.1", 0)  # 0: a free port the system picks, none to probe
+    store = dist.TCPStore(host, port, size, is_master=True, timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    init = f"tcp://{host}:{store.port}"
     threads = torch.get_num_threads()
     if device.type == "cpu":  # the ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(cpu_threads(size))
     processes = []
     for rank in range(1, size):
         spec = {
@@ -120,7 +126,7 @@ def start(size: int, init: str | None, path: str, device: torch.device, dtype: s
         processes.append(subprocess.Popen([sys.executable, "-m", "workers.engine.rank_process", json.dumps(spec)]))
     log.info("tensor_parallel_ranks_started", size=size, init=init, pids=[p.pid for p in processes])
     try:
-        join(0, size, init, device)
+        join(0, size, device, store)
     except BaseException:
         for process in processes:
             process.kill()
@@ -130,21 +136,33 @@ def start(size: int, init: str | None, path: str, device: torch.device, dtype: s
     return ranks
 
 
-def join(rank: int, size: int, init: str, device: torch.device) -> None:
+def address(init: str) -> tuple[str, int]:
+    """The host and port of a rendezvous, tcp://HOST:PORT."""
+    parts = urllib.parse.urlsplit(init)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None:
+        raise ValueError(f"--distributed-init {init!r}: tcp://HOST:PORT is the form (a host's address and a port)")
+    return parts.hostname, port
+
+
+def rendezvous(init: str, size: int) -> dist.Store:
+    """On ranks 1..N-1: the store rank 0 holds at `init` (start)."""
+    return dist.TCPStore(*address(init), size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
+
+
+def join(rank: int, size: int, device: torch.device, store: dist.Store) -> None:
+    """Join the group whose rendezvous is `store` (rank 0's; on this host)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(rank_device(device, rank))
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=_RENDEZVOUS_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_RENDEZVOUS_TIMEOUT)
 
 
 def collective_device(device: torch.device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else torch.device("cpu")
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def follow(loaded) -> None:
