@@ -47,7 +47,7 @@ def _graphs(recorder: Recorder, max_batch_size: int = 24) -> DecodeGraphs:
 def _run(graphs: DecodeGraphs, n: int, width: int) -> torch.Tensor:
     ids = torch.arange(n) + 1000
     tables = torch.arange(n * width).view(n, width) + 1
-    return graphs.run(ids, ids + 1, ids * 10, tables, torch.full((n,), 7))
+    return graphs.run(ids, ids + 1, ids * 10, tables, torch.full((n,), 7), torch.empty(0, dtype=torch.long))
 
 
 def test_every_bucket_is_captured_largest_first_with_its_own_splits():

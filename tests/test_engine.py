@@ -77,6 +77,8 @@ class Harness:
         priority: int = 5,
         generated=(),
         task: Task = "generate",
+        adapter: str | None = None,
+        adapter_path: str | None = None,
         **sampling,
     ) -> str:
         request_id = uuid.uuid4().hex
@@ -92,6 +94,8 @@ class Harness:
                 priority=priority,
                 generated_token_ids=list(generated),
                 deadline=now + timeout_s,
+                adapter=adapter,
+                adapter_path=adapter_path,
             ),
             time.monotonic(),
         )

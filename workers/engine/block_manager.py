@@ -6,7 +6,8 @@ its tokens and of every token before it; once its KV has been computed it is
 registered under that hash, and a later sequence whose prompt starts with the
 same tokens takes the block instead of computing it again. A block that holds
 an image's placeholder tokens is known by that image's digest too: the same
-placeholders stand for any image of that size. A freed block
+placeholders stand for any image of that size; a block computed under a LoRA
+adapter, by the adapter too. A freed block
 keeps its hash, and its KV, until the allocator hands it out anew (oldest
 freed first), so a preempted sequence usually finds its own prefix again.
 
@@ -28,9 +29,13 @@ def _chain_hash(previous: int, content: tuple) -> int:
 
 
 def block_content(sequence: Sequence, start: int, end: int) -> tuple:
-    """What tells a block of tokens [start, end) apart: its tokens, and the digests of images placed there."""
-    chunk = tuple(sequence.tokens(start, end))
-    return chunk if sequence.images is None else chunk + sequence.images.digests_between(start, end)
+    """What tells a block of tokens [start, end) apart: its tokens, the digests of images placed there, and the
+    LoRA adapter it is computed under (its keys and values are the adapter's: no other sequence may take them)."""
+    content = tuple(sequence.tokens(start, end))
+    if sequence.images is not None:
+        content += sequence.images.digests_between(start, end)
+    request = sequence.request
+    return content if request.adapter is None else (*content, ("adapter", request.adapter, request.adapter_path))
 
 
 class _Block:

@@ -20,6 +20,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (GPU only)
     attention: str = "auto"  # the attention kernels: auto (by device), triton, cpu or torch (attention.py)
     aging_s: float = 10.0  # waiting this long makes a request one priority level more urgent
+    max_loras: int = 0  # LoRA adapters in device slots at once, each step's products computed over them; 0: none served
+    max_cpu_loras: int | None = None  # adapters kept read in host memory; None: max_loras
+    max_lora_rank: int = 64  # the highest adapter rank served (the slots' size)
 
     def for_device(self, device_type: str) -> EngineConfig:
         """These settings with every default of the device type ("cpu", "cuda") filled in."""

@@ -7,13 +7,16 @@ reading its inputs from static buffers: token ids, positions, cache slots,
 block tables and sequence lengths. A step of n sequences fills the first n
 rows of the buffers and replays the smallest bucket that holds them; the
 rows past n are padding that writes nowhere (slot -1) and reads nothing
-(length 0). Prompt chunks and mixed steps run eagerly.
+(length 0). Prompt chunks and mixed steps run eagerly. Where the model
+serves LoRA adapters, each row's adapter slot is a static input too (-1: the
+base model), and the graphs compute the pools' whole rank.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -53,8 +56,10 @@ class DecodeGraphs:
         max_blocks: int,
         splits: Callable[[int], int],
         capture: Capture,
+        lora: Callable[[torch.Tensor], object] | None = None,
     ) -> None:
-        """`splits(n)`: the decode kernel's split of each sequence's blocks for a batch of n (baked in)."""
+        """`splits(n)`: the decode kernel's split of each sequence's blocks for a batch of n (baked in);
+        `lora(slots)`: the step's LoraRows (models/lora.py) of rows' adapter slots, where adapters are served."""
         device = kv[0][0].device
         self.sizes = batch_buckets(max_batch_size)
         self._ids = torch.zeros(max_batch_size, dtype=torch.long, device=device)
@@ -62,6 +67,7 @@ class DecodeGraphs:
         self._slots = torch.full_like(self._ids, -1)
         self._lengths = torch.zeros_like(self._ids)
         self._tables = torch.zeros((max_batch_size, max_blocks), dtype=torch.long, device=device)
+        self._lora_slots = torch.full_like(self._ids, -1)
         self._replays: dict[int, Callable[[], None]] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         for size in reversed(self.sizes):
@@ -76,6 +82,8 @@ class DecodeGraphs:
             )
 
             def run(size: int = size, batch: PagedBatch = batch) -> torch.Tensor:
+                if lora is not None:  # its grouping of the rows by slot is part of the graph
+                    batch = replace(batch, lora=lora(self._lora_slots[:size]))
                 return forward(self._ids[:size], self._positions[:size], batch)
 
             run()  # warm up (compiles the kernels), on padding rows only: nothing is written or read
@@ -89,8 +97,9 @@ class DecodeGraphs:
         """The smallest captured batch size that holds this many sequences."""
         return self.sizes[bisect.bisect_left(self.sizes, sequences)]
 
-    def run(self, ids, positions, slots, block_tables, lengths) -> torch.Tensor:
-        """A decode step of n sequences (n-row tensors on the device; block_tables [n, width]) -> hidden [n, ...]."""
+    def run(self, ids, positions, slots, block_tables, lengths, lora_slots) -> torch.Tensor:
+        """A decode step of n sequences (n-row tensors on the device; block_tables [n, width]; lora_slots: [n], or
+        empty where no row has an adapter) -> hidden [n, ...]."""
         n, width = block_tables.shape
         size = self.bucket(n)
         self._ids[:n] = ids
@@ -99,6 +108,11 @@ class DecodeGraphs:
         self._slots[n:size] = -1
         self._lengths[:n] = lengths
         self._lengths[n:size] = 0
+        if lora_slots.numel():
+            self._lora_slots[:n] = lora_slots
+            self._lora_slots[n:size] = -1
+        else:
+            self._lora_slots[:size] = -1
         self._tables[:n, :width] = block_tables  # columns past width: never read, for lengths stop before them
         self._replays[size]()
         return self._outputs[size][:n]

@@ -26,7 +26,9 @@ from typing import Any, Protocol
 
 import structlog
 
+from schemas.adapters import AdapterError
 from schemas.messages import INCOMPLETE_GENERATION, TIMEOUT, ErrorInfo, FinishReason, TokenEvent
+from workers.engine.adapters import Adapters
 from workers.engine.admission import Admission, Rejected, Submitted, unstarted_end
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
@@ -42,6 +44,7 @@ class Runner(Protocol):
     """Computes steps: workers/engine/model_runner.py's ModelRunner, or a simulated one."""
 
     num_blocks: int  # of the KV cache
+    adapters: Adapters | None  # the LoRA adapters it serves (adapters.py); None: none
 
     def bind_thread(self) -> None:
         """Called first on the engine thread."""
@@ -120,8 +123,11 @@ class Engine:
         if capacity < config.max_seq_len:
             raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_seq_len {config.max_seq_len}")
         self._blocks = BlockManager(self._runner.num_blocks, config.block_size)
+        self.adapters = self._runner.adapters
         self._scheduler = Scheduler(
-            SchedulerConfig(config.max_batch_size, config.max_tokens_per_step, config.aging_s), self._blocks
+            SchedulerConfig(config.max_batch_size, config.max_tokens_per_step, config.aging_s),
+            self._blocks,
+            self.adapters,
         )
         self._sequences: dict[str, Sequence] = {}
         self.seconds_per_prompt_token = 0.0  # of the steps with prompt chunks, lately (a router weighs waits by it)
@@ -272,9 +278,24 @@ class Engine:
         if sequence.generated and self._out_of_room(sequence, len(sequence.generated)):
             # A failover of a request whose last event was lost: nothing is left to generate.
             return [sequence.stop(FinishReason.LENGTH)]
+        if request.adapter is not None:
+            try:
+                sequence.adapter = self._pin_adapter(request)
+            except Rejected as rejected:
+                return [rejected.event]
         self._sequences[sequence.request_id] = sequence
         self._scheduler.add(sequence)
         return []
+
+    def _pin_adapter(self, request: EngineRequest):
+        if self.adapters is None:
+            raise Rejected(request, f"model {request.model} serves no LoRA adapters (--max-loras 0)")
+        if request.adapter_path is None:
+            raise Rejected(request, f"adapter {request.adapter} has no directory to read it from")
+        try:
+            return self.adapters.pin(request.adapter, request.adapter_path)
+        except AdapterError as error:
+            raise Rejected(request, str(error)) from error
 
     def _end(self, sequence: Sequence, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
         self._scheduler.remove(sequence)

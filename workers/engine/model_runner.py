@@ -41,11 +41,14 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from schemas.adapters import LoraSupport
 from schemas.messages import SamplingParams
+from workers.engine.adapters import Adapters, HostAdapter, load_adapter
 from workers.engine.attention import KERNELS, PagedBatch, PromptChunk, kernels_for
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.grammar import allowed_tokens
+from workers.engine.models.lora import LoraRows
 from workers.engine.output_head import GatheredHead, OutputHead
 from workers.engine.parallel import OP_CLOSE, OP_LOGITS, OP_RUNNER, OP_STEP, SINGLE
 from workers.engine.pooling import PooledRows
@@ -77,6 +80,7 @@ class StepLayout:
     mrope: list[list[int]] | None = None  # 3-D rotary models, in steps with prompt tokens: 3 rows of positions
     image_rows: list[int] = field(default_factory=list)  # rows whose embedding is an image's feature
     image_features: list[torch.Tensor] = field(default_factory=list)  # theirs, in row order
+    lora_slots: list[int] = field(default_factory=list)  # each row's adapter slot (-1: none); [] if no row has one
 
 
 _SCORED_ROWS = 256  # prompt rows scored at once: their float32 logits are rows x vocabulary
@@ -96,6 +100,8 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
     mrope: list[tuple[int, list[list[int]]]] = []  # (first row, 3 rows of positions) of chunks with prompt tokens
     image_rows: list[int] = []
     image_features: list[torch.Tensor] = []
+    adapted = any(c.sequence.lora_slot >= 0 for c in chunks)
+    lora_slots: list[int] = []
     for index in order:
         chunk = chunks[index]
         sequence, row = chunk.sequence, len(ids)
@@ -117,6 +123,8 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
         lengths.append(end)
         if chunk.num_tokens > 1:
             query_starts.append(row)
+        if adapted:
+            lora_slots.extend([sequence.lora_slot] * chunk.num_tokens)
         first_rows[index] = row
     decodes = len(order) - len(query_starts)
     if query_starts:
@@ -141,6 +149,7 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
         three_rows,
         image_rows,
         image_features,
+        lora_slots,
     )
 
 
@@ -178,7 +187,8 @@ class PackedStep:
     """A step as every rank needs it: one int64 tensor, and the header that says how it divides."""
 
     # replay (0/1), decodes, block tables' width, then the size of each part of `flat`: ids, positions, slots,
-    # lengths, sample_rows, query_starts, the prefill kernel's tiles, block tables, image_rows, then mrope's
+    # lengths, sample_rows, query_starts, the prefill kernel's tiles, block tables, image_rows, lora_slots, then
+    # mrope's
     header: list[int]
     flat: torch.Tensor  # on the device
     host: torch.Tensor | None  # the same on the CPU, where the prompt chunks' masks are built from it
@@ -200,7 +210,7 @@ class PackedStep:
         return self.header[3:]
 
 
-_TEXT_STEP_HEADER = 12  # replay, decodes, width and nine sizes
+_TEXT_STEP_HEADER = 13  # replay, decodes, width and ten sizes
 
 
 @dataclass(frozen=True)
@@ -249,6 +259,7 @@ class ModelRunner:
             raise ValueError(f"attention {config.attention!r} is none of auto, {', '.join(KERNELS)}")
         _check_sliding_window(self._model.config.get_text_config(), config.max_seq_len)
         self._decoder.reserve(config.max_seq_len)
+        self.adapters = _serve_adapters(self._model, config) if config.max_loras else None
         self._shard_head = self.head = OutputHead(self._model.get_output_embeddings())
         if parallel.size > 1:
             projection, vocab = self._model.get_output_embeddings(), loaded.vocab_size
@@ -399,7 +410,7 @@ class ModelRunner:
     @torch.inference_mode()
     def follow_step(self, header: list[int]) -> None:
         """On a rank other than 0: the step rank 0 has just sent (`forward` there), whose header is followed by
-        zeros (a tensor-parallel model has text only: nine parts, no 3-D positions)."""
+        zeros (a tensor-parallel model has text only: ten parts, no 3-D positions)."""
         header = header[:_TEXT_STEP_HEADER]
         sizes = header[3:]
         flat = self._parallel.broadcast(torch.empty(sum(sizes), dtype=torch.long, device=self._device))
@@ -431,7 +442,7 @@ class ModelRunner:
             rows = prefill_rows(self._model.dtype, self._geometry.heads, self._geometry.kv_heads)
             prefill_work = prefill_tiles(step.query_starts, rows)
         parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts]
-        parts += [prefill_work, tables, step.image_rows, *(step.mrope or ())]
+        parts += [prefill_work, tables, step.image_rows, step.lora_slots, *(step.mrope or ())]
         host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
         header = [int(replay), step.decodes, width, *map(len, parts)]
         return PackedStep(header, to_device(host, self._device), host)
@@ -439,12 +450,22 @@ class ModelRunner:
     def _run(self, packed: PackedStep, kv, images: torch.Tensor | None = None) -> torch.Tensor:
         """The step's hidden states of its sample rows; `images`: the features of its image rows."""
         sizes, decodes, width = packed.sizes, packed.decodes, packed.width
-        ids, positions, slots, lengths, sample_rows, query_starts, tiles, flat_tables, image_rows, *mrope = (
-            packed.flat.split(sizes)
-        )
+        (
+            ids,
+            positions,
+            slots,
+            lengths,
+            sample_rows,
+            query_starts,
+            tiles,
+            flat_tables,
+            image_rows,
+            lora_slots,
+            *mrope,
+        ) = packed.flat.split(sizes)
         block_tables = flat_tables.view(-1, width)
         if packed.replay:  # a decode step: every row is sampled
-            return self._graphs.run(ids, positions, slots, block_tables, lengths)[sample_rows]
+            return self._graphs.run(ids, positions, slots, block_tables, lengths, lora_slots)[sample_rows]
         prompts = ()
         if self.kernels != "triton" and sizes[5]:  # prompt chunks (query_starts), and kernels that take them
             host = packed.host.split(sizes)
@@ -460,6 +481,7 @@ class ModelRunner:
             query_starts=query_starts if tiles.numel() else None,
             tiles=tiles if tiles.numel() else None,
             prompts=prompts,
+            lora=LoraRows(lora_slots, self.adapters.rank, self.adapters.slots) if lora_slots.numel() else None,
         )
         rows_of_images = (image_rows, images) if images is not None else None
         return self._forward(
@@ -551,6 +573,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    def _graph_lora(self) -> Callable[[torch.Tensor], LoraRows] | None:
+        """How a decode graph groups its rows by adapter slot: over the pools' whole rank (a graph's is fixed)."""
+        if self.adapters is None:
+            return None
+        rank, slots = self._config.max_lora_rank, self.adapters.slots
+        return lambda lora_slots: LoraRows(lora_slots, rank, slots)
+
     def _capture(self, capture: Capture) -> DecodeGraphs | None:
         gpu = self._device.type == "cuda"
         free_before = torch.cuda.mem_get_info(self._device)[0] if gpu else 0
@@ -565,6 +594,7 @@ class ModelRunner:
                     max_blocks,
                     lambda n: self.decode_splits(n, max_blocks),
                     capture,
+                    self._graph_lora(),
                 )
         except Exception as error:  # the engine still runs, eagerly: slower, and said so
             log.exception("cuda_graphs_failed", error=str(error)[:500])
@@ -577,6 +607,24 @@ class ModelRunner:
             memory_mib=round(held / 2**20, 1),
         )
         return graphs
+
+
+def _serve_adapters(model: torch.nn.Module, config: EngineConfig) -> Adapters:
+    """Device slots in every projection of `model` for config.max_loras adapters, and the adapters served in them."""
+    if not hasattr(model, "enable_lora"):
+        raise ValueError(
+            "LoRA adapters (--max-loras) are served on the native models only, not --model-impl transformers"
+        )
+    model.enable_lora(config.max_loras, config.max_lora_rank)
+    support = LoraSupport(max_rank=config.max_lora_rank, layers=model.shape.layers, modules=model.lora_modules())
+
+    def write(slot: int, adapter: HostAdapter) -> None:
+        model.write_lora(slot, adapter.weights, adapter.spec.scaling)
+
+    def read(path: str):
+        return load_adapter(path, support)
+
+    return Adapters(config.max_loras, config.max_cpu_loras or config.max_loras, read, write, support)
 
 
 def _check_sliding_window(config, max_seq_len: int) -> None:

@@ -45,3 +45,5 @@ class EngineRequest:
     tokens_before: int = 0
     generated_token_ids: tuple[int, ...] = ()
     prefixes: PromptPrefixes | None = None  # None: nobody asks which of its prefixes are cached
+    adapter: str | None = None  # the LoRA adapter it is generated under (its name), or the base model (None)
+    adapter_path: str | None = None  # that adapter's directory

@@ -13,7 +13,10 @@ Between steps the scheduler
 - spends a token budget per step: one token for each decoding sequence, the
   rest on prompt chunks, so that a long prompt does not stall everyone's
   decoding; except that the prompts of a priority above every decoding
-  sequence's take a step alone, so that their first token comes sooner.
+  sequence's take a step alone, so that their first token comes sooner;
+- gives a sequence of a LoRA adapter a device slot of it when it starts
+  (adapters.py), and takes it back when it stops running; one whose adapter
+  finds no slot waits, and the sequences behind it go ahead.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from schemas.messages import aged_priority
+from workers.engine.adapters import Adapters
 from workers.engine.block_manager import BlockManager, block_content
 from workers.engine.sequence import Sequence, Status
 
@@ -53,9 +57,10 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: Adapters | None = None) -> None:
         self._config = config
         self._blocks = blocks
+        self._adapters = adapters
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.preemptions = 0  # since start, for metrics and tests
@@ -76,9 +81,21 @@ class Scheduler:
         if sequence.status is Status.RUNNING:
             self.running.remove(sequence)
             self._blocks.free(sequence)
+            self._release_slot(sequence)
         elif sequence.status is Status.WAITING:
             self.waiting.remove(sequence)
+        if sequence.adapter is not None:
+            self._adapters.unpin(sequence.adapter)
         sequence.status = Status.FINISHED
+
+    def _release_slot(self, sequence: Sequence) -> None:
+        if sequence.lora_slot >= 0:
+            self._adapters.release(sequence.lora_slot)
+            sequence.lora_slot = -1
+
+    def _slot_ready(self, sequence: Sequence) -> bool:
+        """Whether the sequence's adapter, if it has one, can have a device slot now."""
+        return sequence.adapter is None or self._adapters.can_acquire(sequence.adapter)
 
     def _urgency(self, sequence: Sequence, now: float) -> float:
         return aged_priority(sequence.priority, now - sequence.waiting_since, self._config.aging_s)
@@ -99,6 +116,7 @@ class Scheduler:
     def _preempt(self, sequence: Sequence) -> None:
         self.running.remove(sequence)
         self._blocks.free(sequence)
+        self._release_slot(sequence)
         sequence.preemptions += 1
         self.preemptions += 1
         self.add(sequence)
@@ -157,7 +175,7 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting:
             candidate = self.waiting.pop(0)
-            if self._twin_computing(candidate):
+            if self._twin_computing(candidate) or not self._slot_ready(candidate):
                 deferred.append(candidate)
                 continue
             urgency = self._urgency(candidate, now)
@@ -188,7 +206,7 @@ class Scheduler:
         (until a running sequence ends): preempting one of the running step
         would hand out blocks that step is writing.
         """
-        if not self._blocks.can_allocate(sequence):
+        if not self._blocks.can_allocate(sequence) or not self._slot_ready(sequence):
             return None
         now = time.monotonic()
         self.waiting.remove(sequence)
@@ -198,6 +216,8 @@ class Scheduler:
     def _start(self, sequence: Sequence, urgency: float, now: float) -> None:
         sequence.admitted_urgency = urgency
         self._blocks.allocate(sequence)
+        if sequence.adapter is not None:
+            sequence.lora_slot = self._adapters.acquire(sequence.adapter)
         sequence.status = Status.RUNNING
         self.running.append(sequence)
         if sequence.admitted_at is None:

@@ -51,6 +51,8 @@ class Sequence:
     # for a request that generates.
     pooling: Pooling | None = None
     pooled_sum: Any = None  # mean pooling: its prompt rows' hidden states summed so far (a tensor)
+    adapter: Any = None  # its LoRA adapter's HostAdapter (workers/engine/adapters.py); None: the base model
+    lora_slot: int = -1  # the device slot it computes under while running; -1: none
 
     @property
     def request_id(self) -> str:

@@ -102,6 +102,7 @@ class SimulatedRunner:
         self._cost = profile.step
         self.block_size = config.block_size
         self.num_blocks = profile.kv_cache_tokens // config.block_size
+        self.adapters = None  # no weights to adapt
         self.busy_s = 0.0  # time spent in steps, since start
 
     def bind_thread(self) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from workers.engine.attention import PagedBatch, attend
+from workers.engine.models.lora import LoraPool, LoraRows
 from workers.engine.models.ops import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from workers.engine.parallel import SINGLE, Span, TensorParallel
 
@@ -115,12 +116,25 @@ class Linear(nn.Module):
         outputs = sum(rows.size for rows in self.parts.values())
         self.weight = _parameter(outputs, self.inputs.size, device=device, dtype=dtype)
         self.bias = _parameter(outputs, device=device, dtype=dtype) if bias else None
+        self.lora: LoraPool | None = None  # enable_lora's
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        """`lora`: the step's rows by adapter slot, where the model serves adapters (models/lora.py)."""
         if self._parallel.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self._parallel.all_reduce(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self._parallel.all_reduce(F.linear(x, self.weight))
+            y = y if self.bias is None else y + self.bias
+        if lora is not None and self.lora is not None:
+            self.lora.add(y, x, lora)
+        return y
+
+    def enable_lora(self, slots: int, rank: int) -> None:
+        """A pool of `slots` adapters of rank up to `rank` for each of this projection's parts."""
+        parts, first = {}, 0
+        for name, rows in self.parts.items():
+            parts[name], first = (first, rows.size), first + rows.size
+        self.lora = LoraPool(slots, rank, self.inputs.size, parts, self.weight.device, self.weight.dtype)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Slot]:
         tensors, start = {}, 0
@@ -209,14 +223,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Every row's keys and values go to the cache; only the `kept` rows' output is projected (all: None)."""
         rows, dim = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], dim=-1)
+        lora = paged.lora
+        q, k, v = self.qkv_proj(x, lora).split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], dim=-1)
         q, k, v = q.view(rows, self.heads, dim), k.view(rows, self.kv_heads, dim), v.view(rows, self.kv_heads, dim)
         if self.q_norm is not None:
             q = rms_norm(q.reshape(-1, dim), self.q_norm, self.eps).view(rows, self.heads, dim)
             k = rms_norm(k.reshape(-1, dim), self.k_norm, self.eps).view(rows, self.kv_heads, dim)
         q, k = apply_rotary(q, k, positions, self.rotary.cos, self.rotary.sin)
         out = attend(paged, self.layer, q, k, v, self.scaling).view(rows, self.heads * dim)
-        return self.o_proj(out if kept is None else out[kept])
+        if kept is None:
+            return self.o_proj(out, lora)
+        return self.o_proj(out[kept], lora.select(kept) if lora is not None else None)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Slot]:
         tensors = self.qkv_proj.checkpoint_tensors(prefix) | self.o_proj.checkpoint_tensors(prefix)
@@ -233,8 +250,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(shape.hidden, {"gate_proj": rows, "up_proj": rows}, shape.mlp_bias, device, dtype)
         self.down_proj = Linear(rows, {"down_proj": shape.hidden}, shape.mlp_bias, device, dtype, parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Slot]:
         return self.gate_up_proj.checkpoint_tensors(prefix) | self.down_proj.checkpoint_tensors(prefix)
@@ -258,7 +275,8 @@ class DecoderLayer(nn.Module):
         h, residual = add_rms_norm(
             attended, residual if kept is None else residual[kept], self.post_attention_layernorm, self.eps
         )
-        return self.mlp(h), residual
+        lora = paged.lora if kept is None or paged.lora is None else paged.lora.select(kept)
+        return self.mlp(h, lora), residual
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Slot]:
         return {
@@ -326,6 +344,39 @@ class CausalLM(nn.Module):
 
     def get_output_embeddings(self) -> Linear:
         return self.lm_head
+
+    def projections(self, layer: DecoderLayer) -> tuple[Linear, ...]:
+        """The layer's projections an adapter may target."""
+        return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    def enable_lora(self, slots: int, rank: int) -> None:
+        """Pools of `slots` adapters of rank up to `rank` in every projection (models/lora.py)."""
+        if self.parallel.size > 1:
+            raise ValueError("LoRA adapters are not served on a model split across ranks (--tensor-parallel-size)")
+        for layer in self.layers:
+            for projection in self.projections(layer):
+                projection.enable_lora(slots, rank)
+
+    def lora_modules(self) -> dict[str, tuple[int, int]]:
+        """Each projection an adapter may target: (inputs, outputs)."""
+        shape = self.shape
+        q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        return {
+            "q_proj": (shape.hidden, q),
+            "k_proj": (shape.hidden, kv),
+            "v_proj": (shape.hidden, kv),
+            "o_proj": (q, shape.hidden),
+            "gate_proj": (shape.hidden, shape.intermediate),
+            "up_proj": (shape.hidden, shape.intermediate),
+            "down_proj": (shape.intermediate, shape.hidden),
+        }
+
+    def write_lora(self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], scaling: float):
+        """Put an adapter's (layer, module) -> (A, B) into `slot` of every projection (zeros where it has none)."""
+        for index, layer in enumerate(self.layers):
+            for projection in self.projections(layer):
+                parts = {name: weights[index, name] for name in projection.parts if (index, name) in weights}
+                projection.lora.write(slot, parts, scaling)
 
     def reserve(self, positions: int) -> None:
         """Make ready for positions [0, positions): the engine's longest sequence."""
