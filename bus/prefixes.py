@@ -4,7 +4,8 @@ Gateways do not tokenize, so the names come from the request as published:
 its prompt (text, chat messages or token ids; an image as a digest of its
 bytes, where it stands) read as one byte string, cut
 into CHUNK_BYTES pieces, each piece hashed together with the hash of all
-before it, as a KV cache names its blocks. Two prompts that start alike
+before it (the first with the LoRA adapter's name, if it has one), as a KV
+cache names its blocks. Two prompts that start alike
 share their first hashes; a conversation's next turn, which resends the
 history, shares every hash of the turn before. Only whole pieces are named.
 """
@@ -43,7 +44,8 @@ def prefix_hashes(request: GenerationRequest, data: bytes | None = None) -> list
     if request.truncate is not None:
         return []  # its kept tokens are the last ones: no prefix to name
     data = prompt_bytes(request) if data is None else data
-    hashes, previous = [], b""
+    # A prefix computed under an adapter is another one's than the base model's: its names start apart.
+    hashes, previous = [], b"" if request.adapter is None else f"adapter\x1f{request.adapter}".encode()
     for end in range(CHUNK_BYTES, len(data) + 1, CHUNK_BYTES):
         previous = hashlib.blake2b(previous + data[end - CHUNK_BYTES : end], digest_size=6).digest()
         hashes.append(int.from_bytes(previous))

@@ -1,11 +1,12 @@
 """Which models exist and which workers serve them, from the workers' heartbeats.
 
-A name some worker has announced is known (404 otherwise, naming the known
-ones); a known model with no live worker is unavailable (503). Until some
-worker has announced something, no name is known yet and every one is
-unavailable rather than unknown: the workers may still be loading their
-models. A worker is live while its heartbeats keep coming, each within a few
-of its announced intervals.
+A name some worker has announced is known, its model's aliases and the names
+of the LoRA adapters it serves (404 otherwise, naming the known ones); a
+known model with no live worker is unavailable (503). Until some worker has
+announced something, no name is known yet and every one is unavailable
+rather than unknown: the workers may still be loading their models. A
+worker is live while its heartbeats keep coming, each within a few of its
+announced intervals.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class WorkerDirectory:
             self._on_new_model(heartbeat.model.name)
         for alias in heartbeat.model.aliases:
             self._models[alias] = heartbeat.model
+        for adapter in heartbeat.model.adapters:  # a LoRA adapter is a model name of its own
+            self._models[adapter] = heartbeat.model.under(adapter)
 
     def announced(self, name: str) -> ServedModel:
         """The model clients call `name`; 404 naming the known names if no worker announced it, 503 while none

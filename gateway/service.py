@@ -276,6 +276,8 @@ class GatewayService:
             request_id=generation_id,
             trace_id=trace_id,
             model=model.name,
+            adapter=model.adapter,
+            adapter_path=model.adapters[model.adapter] if model.adapter is not None else None,
             prompt_text=prompt_text,
             prompt_token_ids=prompt_token_ids,
             chat_messages=chat_messages,

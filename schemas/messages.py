@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from schemas.adapters import LoraSupport
+
 WIRE_VERSION = 1
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 
@@ -122,6 +124,10 @@ class GenerationRequest(_Message):
     trace_id: str = ""
     attempt: int = 0  # raised when the request is re-published after a failure
     model: str  # the canonical served name (the one its topics are named after)
+    # The LoRA adapter (schemas/adapters.py) it is generated under, by the name clients call it, and its
+    # directory; None: the base model.
+    adapter: str | None = None
+    adapter_path: str | None = None
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
     chat_messages: list[ChatMessage] | None = None
@@ -155,8 +161,10 @@ class GenerationRequest(_Message):
         return self
 
     def log_ids(self) -> dict[str, str]:
-        """The ids its log lines carry: its request's (which one grep finds everywhere) and its own."""
-        return {"request_id": self.trace_id, "generation_id": self.request_id}
+        """The ids its log lines carry: its request's (which one grep finds everywhere) and its own; and its
+        LoRA adapter, where it has one."""
+        ids = {"request_id": self.trace_id, "generation_id": self.request_id}
+        return ids if self.adapter is None else ids | {"adapter": self.adapter}
 
     def image_places(self) -> list[ImagePart]:
         parts = list(self.prompt_parts or ())
@@ -278,6 +286,14 @@ class ServedModel(BaseModel):
     # A vision-language model's: the most pixels of an image worth sending it (its processor scales larger
     # ones down: the gateway does it first, to a little more, so requests stay small); None: no images.
     image_pixels: int | None = None
+    lora: LoraSupport | None = None  # what its workers take of LoRA adapters; None: they serve none
+    adapters: dict[str, str] = {}  # the LoRA adapters its workers serve: name clients use -> directory
+    # Set by a gateway, never announced: the adapter of the name a client called it by (a key of `adapters`).
+    adapter: str | None = None
+
+    def under(self, adapter: str) -> ServedModel:
+        """This model as clients call it by the name of one of its adapters."""
+        return self.model_copy(update={"adapter": adapter})
 
 
 class WorkerHeartbeat(_Message):
@@ -328,6 +344,7 @@ class WorkerLoad(_Message):
     interval_s: float  # the longest wait for its next report
     draining: bool = False  # it finishes what it runs and takes nothing more: route nothing to it
     tensor_parallel_size: int = Field(default=1, ge=1)  # devices its model is split across
+    adapters: list[str] = []  # the LoRA adapters in its device slots, most recently used first
 
 
 class StopClientRequest(_Message):

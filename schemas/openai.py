@@ -442,6 +442,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tokenrelay"
+    parent: str | None = None  # a LoRA adapter's: the model it adapts (vLLM's field)
+    root: str | None = None  # the model's own name, or an adapter's directory (vLLM's field)
 
 
 class ModelList(BaseModel):

@@ -33,6 +33,7 @@ StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 class TgiParameters(RouteParameters):
+    adapter_id: str | None = Field(None, description="A LoRA adapter served by name (TGI's); none: the default model.")
     details: Details = None
     decoder_input_details: bool | None = Field(None, description="Also the prompt's tokens (not with a stream).")
     do_sample: DoSample = None

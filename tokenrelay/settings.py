@@ -165,7 +165,23 @@ def _model(args: argparse.Namespace) -> ModelSettings:
         model_impl=args.model_impl,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_init=args.distributed_init or None,
+        adapters=_adapters(args.lora),
     )
+
+
+def _adapters(named: list[str]) -> tuple[tuple[str, str], ...]:
+    """--lora NAME=PATH, each a directory."""
+    adapters = {}
+    for value in named:
+        name, equals, path = value.partition("=")
+        if not (equals and name and path):
+            raise CannotStart(f"--lora {value!r} is not NAME=PATH")
+        if name in adapters:
+            raise CannotStart(f"--lora names adapter {name} twice")
+        if not Path(path).is_dir():
+            raise CannotStart(f"--lora {value}: no directory {path}")
+        adapters[name] = str(Path(path).resolve())
+    return tuple(adapters.items())
 
 
 def _engine(args: argparse.Namespace) -> EngineConfig:
@@ -175,6 +191,7 @@ def _engine(args: argparse.Namespace) -> EngineConfig:
             "kv_cache_bytes": int(args.kv_cache_memory * 2**30) or None,
             "gpu_memory_fraction": args.gpu_memory_fraction,
             "cuda_graphs": not args.no_cuda_graphs,
+            **_lora_slots(args),
         }
     return EngineConfig(
         max_batch_size=args.max_batch_size or None,
@@ -186,6 +203,16 @@ def _engine(args: argparse.Namespace) -> EngineConfig:
         aging_s=args.priority_aging,
         **loaded,
     )
+
+
+def _lora_slots(args: argparse.Namespace) -> dict:
+    for flag, value, lowest in (("--max-loras", args.max_loras, 0), ("--max-cpu-loras", args.max_cpu_loras, 0)):
+        if value < lowest:
+            raise CannotStart(f"{flag} {value}: at least {lowest}")
+    if not 1 <= args.max_lora_rank <= 512:
+        raise CannotStart(f"--max-lora-rank {args.max_lora_rank}: from 1 to 512")
+    slots = args.max_loras or (4 if args.lora else 0)
+    return {"max_loras": slots, "max_cpu_loras": args.max_cpu_loras or None, "max_lora_rank": args.max_lora_rank}
 
 
 def _address(address: str) -> str:

@@ -29,9 +29,13 @@ log = structlog.get_logger("tokenrelay")
 
 def build_worker(model: ModelSettings, engine: EngineConfig, worker: WorkerSettings, bus: Bus) -> Worker:
     loaded, config = engine_parts(model, engine)
+    from schemas.adapters import AdapterError
     from workers.worker import Worker  # after the model: its line says what the wait is for
 
-    return Worker(bus, loaded, config, list(model.served_names), worker)
+    try:
+        return Worker(bus, loaded, config, list(model.served_names), worker, dict(model.adapters))
+    except AdapterError as error:
+        raise CannotStart(f"--lora: {error}") from None
 
 
 def engine_parts(model: ModelSettings, engine: EngineConfig) -> tuple[Model, EngineConfig]:

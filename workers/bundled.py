@@ -10,6 +10,8 @@ from pathlib import Path
 
 BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled_model"
 BUNDLED_MODEL_NAME = "tokenrelay-tiny"
+# Two LoRA adapters of the bundled model (train_bundled_adapters.py): one answers in upper case, one in Python.
+BUNDLED_ADAPTERS = {name: BUNDLED_MODEL / "adapters" / name for name in ("shout", "code")}
 BUNDLED_VISION_MODEL = Path(__file__).resolve().parent / "bundled_vision_model"  # train_bundled_vision_model.py
 BUNDLED_VISION_MODEL_NAME = "tokenrelay-tiny-vision"
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")

@@ -32,4 +32,5 @@ class ModelSettings:
     model_impl: str = "auto"  # native (the engine's own model code), transformers, or auto: native where it can
     tensor_parallel_size: int = 1  # ranks the model is split across, one process per device
     distributed_init: str | None = None  # where the ranks meet, tcp://host:port; None: a free loopback port
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) of each LoRA adapter served from the start
     simulate: Profile | None = None  # a step-time profile (workers/simulated/) to run instead: no weights, no torch

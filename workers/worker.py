@@ -33,6 +33,7 @@ from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, offe
 from bus.peers import PeerClock, send_own_heartbeat
 from bus.prefixes import CHUNK_BYTES, prefix_hashes, prompt_bytes
 from bus.topics import control_topic, inbox_topic, request_topics, routing_topic, worker_group
+from schemas.adapters import AdapterError
 from schemas.messages import (
     STREAM_ERRORS,
     TIMEOUT,
@@ -47,6 +48,7 @@ from schemas.messages import (
     WorkerHeartbeat,
 )
 from telemetry.metrics import RequestTimer, metrics_of, record_backlog
+from workers.engine.adapters import AdapterCounts
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, Model
 from workers.engine.request import EngineRequest, PromptPrefixes
@@ -62,6 +64,18 @@ TOKENS_AFTER_CANCEL = Counter(
 )
 TENSOR_PARALLEL_SIZE = Gauge(
     "tokenrelay_worker_tensor_parallel_size", "Ranks (devices) the worker's model is split across.", ["model"]
+)
+ADAPTER_REQUESTS = Counter(
+    "tokenrelay_worker_adapter_requests_total", "Requests started under each LoRA adapter.", ["model", "adapter"]
+)
+ADAPTER_TOKENS = Counter(
+    "tokenrelay_worker_adapter_tokens_total", "Tokens generated under each LoRA adapter.", ["model", "adapter"]
+)
+ADAPTER_LOADS = Counter(
+    "tokenrelay_worker_adapter_loads_total", "LoRA adapters put into a device slot.", ["model", "adapter"]
+)
+ADAPTER_EVICTIONS = Counter(
+    "tokenrelay_worker_adapter_evictions_total", "LoRA adapters taken out of a device slot for another.", ["model"]
 )
 _BACKLOG_INTERVAL_S = 5.0
 # A gateway silent this long (three heartbeats) is gone; its requests are cancelled.
@@ -97,11 +111,15 @@ class Worker:
         config: EngineConfig,
         served_names: list[str],
         settings: WorkerSettings,
+        adapters: dict[str, str] | None = None,
     ) -> None:
+        """`adapters`: the LoRA adapters served from the start, name -> directory (each read and checked here:
+        schemas.adapters.AdapterError if one cannot be served)."""
         self._bus = bus
         self._settings = settings
         self._engine = Engine(loaded, config, self._on_engine_step, on_cache=self._on_cache_change)
         self._config = config = self._engine.config  # with the device's defaults
+        self._adapter_counts_seen = AdapterCounts()  # of the engine's, those counted in /metrics
         self.model = ServedModel(
             name=served_names[0],
             aliases=served_names,
@@ -110,6 +128,7 @@ class Worker:
             max_iter_times=config.max_iter_times,
             vocab_size=loaded.vocab_size,
             image_pixels=self._engine.image_pixels,
+            **self._served_adapters(adapters or {}),
         )
         self._metrics = metrics_of("worker")
         self._metrics.count_from_zero(self.model.name, STREAM_ERRORS)
@@ -332,6 +351,8 @@ class Worker:
             self._gateways.expect(request.reply_to, time.monotonic())
             self._active[request.request_id] = _Taken(delivery, RequestTimer(self._metrics, request))
             self._engine.submit(engine_request(request), time.monotonic())
+            if request.adapter is not None:
+                ADAPTER_REQUESTS.labels(self.model.name, request.adapter).inc()
             self._load.changed()
             log.info(
                 "request_admitted",
@@ -368,6 +389,8 @@ class Worker:
                     continue
                 by_gateway[taken.delivery.request.reply_to].append(event)
                 taken.timer.event(event, now)
+                if taken.delivery.request.adapter is not None and event.token_ids:
+                    ADAPTER_TOKENS.labels(self.model.name, taken.delivery.request.adapter).inc(len(event.token_ids))
                 if taken.cancelled_at is not None and computed_at > taken.cancelled_at:
                     TOKENS_AFTER_CANCEL.labels(self.model.name).inc(len(event.token_ids))
             await asyncio.gather(*(self._publish(topic, batch) for topic, batch in by_gateway.items()))
@@ -452,7 +475,33 @@ class Worker:
             **self._engine.prompt_stats(),
             "inbox_reads": dict(self._inbox_reads),
             "draining": self._draining,
+            "adapters": self._adapters_resident(),
         }
+
+    def _adapters_resident(self) -> list[str]:
+        """The adapters in the engine's device slots; its loads and evictions since the last call, counted."""
+        adapters = self._engine.adapters
+        if adapters is None:
+            return []
+        counts, seen = adapters.counts, self._adapter_counts_seen
+        for name, loads in list(counts.by_name.items()):  # a copy in one go: the engine thread adds to it
+            ADAPTER_LOADS.labels(self.model.name, name).inc(loads - seen.by_name.get(name, 0))
+            seen.by_name[name] = loads
+        evictions = counts.evictions
+        ADAPTER_EVICTIONS.labels(self.model.name).inc(evictions - seen.evictions)
+        seen.evictions = evictions
+        return adapters.resident()
+
+    def _served_adapters(self, adapters: dict[str, str]) -> dict:
+        """What the heartbeats say of LoRA adapters: what the model takes of them, and those served."""
+        served = self._engine.adapters
+        if served is None:
+            if adapters:
+                raise AdapterError("--lora: this model's workers serve no adapters (--max-loras 0)")
+            return {}
+        for name, path in adapters.items():
+            served.check(name, path)
+        return {"lora": served.support, "adapters": adapters}
 
     def _heartbeat(self, leaving: bool = False) -> WorkerHeartbeat:
         # What waits in its inbox is listed too: a gateway fails over what a live worker does not list.
@@ -522,4 +571,6 @@ def engine_request(request: GenerationRequest) -> EngineRequest:
         tokens_before=request.tokens_before,
         generated_token_ids=tuple(request.generated_token_ids),
         prefixes=PromptPrefixes(tuple(prefix_hashes(request, data)), len(data), CHUNK_BYTES),
+        adapter=request.adapter,
+        adapter_path=request.adapter_path,
     )

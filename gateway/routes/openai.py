@@ -342,7 +342,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> ModelList:
-    """Every name a live worker serves, aliases included."""
+    """Every name a live worker serves, aliases and LoRA adapters included (an adapter with its `parent`)."""
     service: GatewayService = request.app.state.gateway
     created = int(time.time())
-    return ModelList(data=[ModelCard(id=name, created=created) for name in service.directory.served_names()])
+    cards = []
+    for name in service.directory.served_names():
+        model = service.directory.announced(name)
+        if model.adapter is None:
+            cards.append(ModelCard(id=name, created=created, root=model.name))
+        else:
+            cards.append(ModelCard(id=name, created=created, parent=model.name, root=model.adapters[model.adapter]))
+    return ModelList(data=cards)

@@ -62,7 +62,7 @@ def _top_tokens(event: TokenEvent) -> list[list[dict]]:
 async def _submit(connection: HTTPConnection, body: TgiRequest, streaming: bool) -> InFlight:
     service: GatewayService = connection.app.state.gateway
     parameters = body.parameters
-    model = service.default_model_name()
+    model = parameters.adapter_id or service.default_model_name()
     return await start(
         service,
         model,
