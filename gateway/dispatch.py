@@ -91,7 +91,9 @@ class Dispatcher:
         if self._router is None or not self._router.knows(request.model):
             return _NO_WORKER
         while (
-            route := self._router.choose(request.model, request.priority, inflight.prefix_hashes, inflight.broke_off_on)
+            route := self._router.choose(
+                request.model, request.priority, inflight.prefix_hashes, inflight.broke_off_on, request.adapter
+            )
         ) is not None:
             if time.monotonic() - held_since < route.worth_waiting_s:
                 return _WAITING

@@ -14,7 +14,11 @@ than Dynamo's 1, from what a step costs (workers/simulated/profile.py): a
 prompt token to compute costs as much as a cached token attended to by
 every step of a few hundred output tokens, and the room check already
 keeps a worker that holds a popular prefix from taking more than it can
-run. With no worker that has room, the request waits in the gateway
+run. A request of a LoRA adapter costs more on a worker that would have to
+load it into a device slot (its report lists the adapters it holds): so an
+adapter's requests go where it is resident until those workers have no
+room, then spread, and each worker loads few adapters. With no worker that
+has room, the request waits in the gateway
 (dispatch.py). A route is a hint: a stale one costs latency, never a
 request, since whatever a worker holds is failed over if it dies.
 """
@@ -30,6 +34,9 @@ from schemas.messages import WorkerLoad
 PREFILL_WEIGHT = 16.0  # Dynamo's overlap_score_weight: a prompt token to compute against a token held in cache
 BYTES_PER_TOKEN = 4  # to turn the prefix names' bytes into tokens
 STALE_AFTER_REPORTS = 3  # a worker whose report is older than this many intervals gets no route
+# Loading an adapter into a device slot, in the cost's units: as much as computing 512 prompt tokens. It is
+# more than its copy takes: a load also evicts another adapter that the next of its requests must load again.
+ADAPTER_LOAD_COST = PREFILL_WEIGHT * 512
 
 
 def read_ahead(capacity: int) -> int:
@@ -111,10 +118,13 @@ class Router:
     def _fresh(self, view: _WorkerView) -> bool:
         return time.monotonic() - view.heard_at <= STALE_AFTER_REPORTS * view.load.interval_s
 
-    def choose(self, model: str, priority: int, hashes: list[int], avoid: str | None = None) -> Route | None:
+    def choose(
+        self, model: str, priority: int, hashes: list[int], avoid: str | None = None, adapter: str | None = None
+    ) -> Route | None:
         """The worker to route a request to, or None: none has room (or none reported).
 
-        `avoid`: a worker to take only if no other has room (the one a failed-over request broke off on).
+        `avoid`: a worker to take only if no other has room (the one a failed-over request broke off on);
+        `adapter`: the LoRA adapter the request is generated under.
         """
         best: tuple[bool, float, int, _WorkerView, int] | None = None
         most_cached, most_cached_view = 0, None
@@ -129,6 +139,8 @@ class Router:
                 continue
             uncached = len(hashes) * CHUNK_BYTES // BYTES_PER_TOKEN - cached
             cost = PREFILL_WEIGHT * uncached + view.busy_tokens()
+            if adapter is not None and adapter not in load.adapters:
+                cost += ADAPTER_LOAD_COST
             key = (load.worker_id == avoid, cost, load.running + load.waiting + view.unread)
             if best is None or key < best[:3]:
                 best = (*key, view, cached)

@@ -201,3 +201,22 @@ async def test_a_held_request_goes_to_the_shared_queue_once_no_worker_reports_an
         assert message.request_id == "orphan" and not dispatcher.release(held)
     finally:
         running.cancel()
+
+
+def test_an_adapters_requests_go_where_it_is_resident_until_those_workers_are_full_then_spread():
+    router = Router("replies")
+    router.observe(_load("a", running=2, adapters=["shout"]))
+    router.observe(_load("b", running=0, adapters=["code"]))
+    assert router.choose("m", 5, [], adapter="shout").worker_id == "a"  # busier, but it holds the adapter
+    assert router.choose("m", 5, [], adapter="code").worker_id == "b"
+    assert router.choose("m", 5, []).worker_id == "b"  # the base model: the load alone decides
+    full = 4 + 1  # capacity and read-ahead
+    router.observe(_load("a", running=full, adapters=["shout"], running_by_priority=[0, 0, 0, 0, full]))
+    assert router.choose("m", 5, [], adapter="shout").worker_id == "b"  # no room where it is: b loads it
+
+
+def test_the_prefix_names_of_a_prompt_under_an_adapter_are_not_the_base_models():
+    text = "t" * 600
+    base, shout = prefix_hashes(_request(text=text)), prefix_hashes(_request(text=text, adapter="shout"))
+    assert len(base) == len(shout) == 2 and not set(base) & set(shout)
+    assert prefix_hashes(_request(text=text, adapter="shout")) == shout
