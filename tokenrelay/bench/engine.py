@@ -38,9 +38,11 @@ import queue
 import random
 import statistics
 import sys
+import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -81,6 +83,32 @@ LLAMA_8B = dict(
 class Request:
     prompt: list[int]
     output_len: int
+    adapter: tuple[str, str] | None = None  # a LoRA adapter's (name, directory); None: the base model
+
+
+def random_adapters(model, count: int, rank: int, directory: Path) -> list[tuple[str, str]]:
+    """`count` LoRA adapters of `rank` on every projection of `model` (a native one), random, in PEFT's format."""
+    import torch
+    from safetensors.torch import save_file
+
+    from schemas.adapters import MODULES
+
+    generator = torch.Generator().manual_seed(0)
+    adapters = []
+    for index in range(count):
+        path = directory / f"lora{index}"
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for layer in range(model.shape.layers):
+            for module, (inputs, outputs) in model.lora_modules().items():
+                name = f"base_model.model.model.layers.{layer}.{MODULES[module]}.{module}"
+                tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inputs, generator=generator) / inputs**0.5
+                tensors[f"{name}.lora_B.weight"] = torch.randn(outputs, rank, generator=generator) / rank**0.5
+        save_file(tensors, path / "adapter_model.safetensors")
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(MODULES)}
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        adapters.append((path.name, str(path)))
+    return adapters
 
 
 @dataclass
@@ -185,6 +213,8 @@ def _engine_pass(engine: Engine, events: queue.SimpleQueue, requests: list[Reque
                 prompt_token_ids=request.prompt,
                 sampling=sampling,
                 deadline=now + 3600,
+                adapter=request.adapter[0] if request.adapter else None,
+                adapter_path=request.adapter[1] if request.adapter else None,
             ),
             time.monotonic(),
         )
@@ -402,6 +432,14 @@ def main(argv: list[str] | None = None) -> None:
         choices=["one_at_a_time", "static_batches", "continuous"],
         help="baselines to leave out",
     )
+    parser.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        help="also run the native engine with this many random LoRA adapters (rank --lora-rank, every "
+        "projection), the requests spread over them uniformly",
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="the rank of --loras' adapters")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument(
         "--plot",
@@ -443,6 +481,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         threads[split] = torch.get_num_threads()  # rank 0's share of the cores
         impls.append(split)
+    adapted = f"native_lora{args.loras}"
+    if args.loras:
+        engine_models[adapted] = fresh("native")
+        threads[adapted] = torch.get_num_threads()
+        impls.append(adapted)
     engine_model = engine_models[impls[0]]
     requests = workload(args.requests, args.prompt_lens, args.output_lens, engine_model.vocab_size, args.seed)
     engine_config = EngineConfig(
@@ -452,6 +495,14 @@ def main(argv: list[str] | None = None) -> None:
         max_iter_times=args.output_lens[1],
         cuda_graphs=not args.no_cuda_graphs,
     )
+    configs = dict.fromkeys(impls, engine_config)
+    workloads = dict.fromkeys(impls, requests)
+    if args.loras:
+        adapters = random_adapters(
+            engine_models[adapted].model, args.loras, args.lora_rank, Path(tempfile.mkdtemp(prefix="bench-lora-"))
+        )
+        configs[adapted] = replace(engine_config, max_loras=args.loras, max_lora_rank=args.lora_rank)
+        workloads[adapted] = [replace(r, adapter=adapters[i % args.loras]) for i, r in enumerate(requests)]
     batch_size = engine_config.for_device(engine_model.device.type).max_batch_size
     report: dict = {
         "workload": {
@@ -478,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         for impl, loaded in engine_models.items():
             torch.set_num_threads(threads[impl])
             spent, started = COLLECTIVES.seconds, time.perf_counter()
-            engine_runs[impl].append(run_engine(loaded, engine_config, requests))
+            engine_runs[impl].append(run_engine(loaded, configs[impl], workloads[impl]))
             if impl == split:
                 collectives[f"run {run}"] = (COLLECTIVES.seconds - spent) / (time.perf_counter() - started)
             _print(f"engine ({impl}, run {run})", engine_runs[impl][-1], out, progress)
@@ -506,7 +557,11 @@ def main(argv: list[str] | None = None) -> None:
     _release(engine_model.device)
     for impl, best in engines.items():
         _print(f"engine ({impl}, best)", best, out)
-    impl_ratio = tensor_parallel = None
+    impl_ratio = tensor_parallel = lora = None
+    if adapted in engines and "native" in engines:
+        ratio = round(engines[adapted].tokens_per_s / engines["native"].tokens_per_s, 2)
+        lora = {"adapters": args.loras, "rank": args.lora_rank, "ratio": ratio}
+        print(f"engine {adapted} / engine native: {ratio}x tokens/s", file=out, flush=True)
     if {"native", "transformers"} <= engines.keys():
         impl_ratio = round(engines["native"].tokens_per_s / engines["transformers"].tokens_per_s, 2)
         print(f"engine native / engine transformers: {impl_ratio}x tokens/s", file=out, flush=True)
@@ -549,6 +604,7 @@ def main(argv: list[str] | None = None) -> None:
         engines={impl: asdict(best) for impl, best in engines.items()},
         impl_ratio=impl_ratio,
         tensor_parallel=tensor_parallel,
+        lora=lora,
         baselines={k: asdict(v) for k, v in baselines.items()},
         ratios=ratios,
         decode_steps=[asdict(s) for s in steps[impls[0]]],
