@@ -3,17 +3,20 @@
 An adapter is never merged into the weights: a step mixes rows of several
 adapters and of the base model, so each adapted projection adds, for the
 whole step at once, every row's x·Aᵀ·Bᵀ under the adapter of its sequence
-(the slot it holds in the pool), grouped by slot: in torch on the CPU, one
-product pair per slot in the step; on a GPU two Triton kernels over all
-slots (triton_lora.py), the same launches whatever the mix, so that decode
-graphs capture them with the rows' slots as a static input.
+(the slot it holds in the pool). In torch on the CPU: with one adapter in
+the step, its product pair for its rows; with several, every row's products
+under each adapter present, those of the others masked to exact zeros (two
+large products cost less than two small ones per adapter, on a small
+model). On a GPU two Triton kernels over the rows grouped by slot
+(triton_lora.py), the same launches whatever the mix, so that decode graphs
+capture them with the rows' slots as a static input.
 
 A projection's pool holds `slots` adapters of rank up to R for each of its
 parts (q, k and v of the fused QKV; gate and up): A [slots, R·P, inputs],
-B [slots, outputs, R·P], scaling folded into B, zeros where an adapter has a
-lower rank or does not target a part (which adds exactly nothing). The rank
-index is the major one (column i·P + p is part p's i-th component), so a
-step whose adapters all have rank ≤ r computes with the first r·P columns
+Bᵀ [slots, R·P, outputs], scaling folded into B, zeros where an adapter has
+a lower rank or does not target a part (which adds exactly nothing). The
+rank index is the major one (row i·P + p is part p's i-th component), so a
+step whose adapters all have rank ≤ r computes with the first r·P rows
 only: a view, not a copy.
 """
 
@@ -28,21 +31,27 @@ class LoraRows:
     def __init__(self, slots: torch.Tensor, rank: int, pool_slots: int) -> None:
         self.slots, self.rank, self._pool_slots = slots, rank, pool_slots
         self._selected: tuple[torch.Tensor, LoraRows] | None = None
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # on the CPU: (slot, its rows; None: every row)
         if slots.is_cuda:  # device tensors only: no host sync, so that a graph captures it
             counts = torch.bincount(slots + 1, minlength=pool_slots + 1)
             self.order = torch.argsort(slots, stable=True)
             self.counts = counts[1:]
             self.starts = torch.cumsum(counts, 0)[:-1]  # base rows (-1) sort first
-            self.groups: list[tuple[int, torch.Tensor | None]] = []
-        else:
-            by_slot: dict[int, list[int]] = {}
-            for row, slot in enumerate(slots.tolist()):
-                if slot >= 0:
-                    by_slot.setdefault(slot, []).append(row)
-            every = len(by_slot) == 1 and len(next(iter(by_slot.values()))) == slots.numel()
-            self.groups = [
-                (slot, None if every else torch.tensor(rows, device=slots.device)) for slot, rows in by_slot.items()
-            ]
+            return
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(row)
+        every = len(by_slot) == 1 and len(next(iter(by_slot.values()))) == slots.numel()
+        self.groups = [(slot, None if every else torch.tensor(rows)) for slot, rows in by_slot.items()]
+        self.present = torch.tensor(list(by_slot))  # the slots the step's rows compute under
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, present slots]: 1 where the row computes under that slot, else 0."""
+        if dtype not in self._masks:
+            self._masks[dtype] = (self.slots[:, None] == self.present[None, :]).to(dtype)
+        return self._masks[dtype]
 
     def select(self, kept: torch.Tensor) -> LoraRows:
         """The rows `kept` (a last layer's), in their order; the same object for the same `kept`."""
@@ -52,20 +61,20 @@ class LoraRows:
 
 
 class LoraPool:
-    """One projection's adapter slots: A [slots, R·P, inputs] and B [slots, outputs, R·P] (see above)."""
+    """One projection's adapter slots: A [slots, R·P, inputs] and Bᵀ [slots, R·P, outputs] (see above)."""
 
     def __init__(self, slots: int, rank: int, inputs: int, parts: dict[str, tuple[int, int]], device, dtype) -> None:
         """`parts`: part name -> (first output row, rows) within the projection's output."""
         self.parts, self.max_rank = parts, rank
         width = rank * len(parts)
         self.a = torch.zeros(slots, width, inputs, device=device, dtype=dtype)
-        self.b = torch.zeros(slots, sum(rows for _, rows in parts.values()), width, device=device, dtype=dtype)
+        self.b = torch.zeros(slots, width, sum(rows for _, rows in parts.values()), device=device, dtype=dtype)
 
     def write(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
         """Fill `slot` with an adapter's A [r, inputs] and B [rows, r] per part it targets; zeros elsewhere."""
         count = len(self.parts)
         a = self.a[slot].view(self.max_rank, count, -1)
-        b = self.b[slot].view(self.b.shape[1], self.max_rank, count)
+        b = self.b[slot].view(self.max_rank, count, -1)
         a.zero_()
         b.zero_()
         for index, (name, (first, rows)) in enumerate(self.parts.items()):
@@ -73,19 +82,26 @@ class LoraPool:
                 lora_a, lora_b = weights[name]
                 rank = lora_a.shape[0]
                 a[:rank, index] = lora_a.to(a.dtype)
-                b[first : first + rows, :rank, index] = (lora_b.double() * scaling).to(b.dtype)
+                b[:rank, index, first : first + rows] = (lora_b.double() * scaling).T.to(b.dtype)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> None:
         """y += each row's x·Aᵀ·Bᵀ under its slot, in place."""
         width = rows.rank * len(self.parts)
-        a, b = self.a[:, :width], self.b[:, :, :width]
+        a, b = self.a[:, :width], self.b[:, :width]
         if y.is_cuda:
             from workers.engine import triton_lora
 
-            triton_lora.add_lora(y, x, a, b, rows.order, rows.starts, rows.counts)
-            return
-        for slot, index in rows.groups:
+            triton_lora.add_lora(y, x, a, b.transpose(1, 2), rows.order, rows.starts, rows.counts)
+        elif len(rows.groups) == 1:
+            slot, index = rows.groups[0]
             if index is None:
-                y += (x @ a[slot].T) @ b[slot].T
+                y.addmm_(x @ a[slot].T, b[slot])
             else:
-                y.index_add_(0, index, (x[index] @ a[slot].T) @ b[slot].T)
+                y.index_add_(0, index, (x[index] @ a[slot].T) @ b[slot])
+        elif rows.groups:  # every present slot's products for every row, the others' masked to exact zeros
+            present = rows.present
+            shrunk = x @ a.index_select(0, present).view(-1, x.shape[1]).T
+            shrunk = (shrunk.view(x.shape[0], len(present), width) * rows.mask(x.dtype)[:, :, None]).view(
+                x.shape[0], -1
+            )
+            y.addmm_(shrunk, b.index_select(0, present).view(-1, y.shape[1]))
