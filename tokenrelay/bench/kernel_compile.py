@@ -10,7 +10,7 @@ that compile's figures. Every job is compiled afresh
 (TRITON_ALWAYS_COMPILE), for a cached kernel would come without ptxas's log.
 
 A job's kernel is what the engine would launch: the launch functions of
-triton_attention.py, triton_sampling.py and triton_layers.py
+triton_attention.py, triton_sampling.py, triton_layers.py and triton_lora.py
 (workers/engine/kernel_launch.py) are called on meta tensors laid out as the
 engine's for the model shape, and their KernelLaunch is compiled with the
 specialisation Triton's launcher would give those arguments. ptxas -v's log (TRITON_DUMP_PTXAS_LOG) gives the
@@ -34,13 +34,14 @@ from triton.backends.nvidia.compiler import get_ptxas_version
 from triton.compiler import ASTSource
 
 from tokenrelay.bench.kernels import SHAPES, ModelShape
-from workers.engine import triton_attention, triton_layers, triton_sampling
+from workers.engine import triton_attention, triton_layers, triton_lora, triton_sampling
 from workers.engine.config import EngineConfig
 from workers.engine.kernel_launch import KernelLaunch
 
 H200 = GPUTarget("cuda", 90, 32)
 H200_PROCESSORS = 132  # streaming multiprocessors: the engine's decode split is computed from them
 CACHE_BLOCKS = 10_001  # the cache holds what the GPU's memory does: any count, most no multiple of 16
+LORA_SLOTS = 4  # adapters in device slots (--max-loras): the grids' size only
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64"}
 _DIVISIBLE = [["tt.divisibility", 16]]
@@ -53,7 +54,9 @@ def engine_launches(shape: ModelShape, dtype: torch.dtype) -> dict[str, KernelLa
     tables as wide as the decode graphs' (max_seq_len tokens), and the split the engine makes for one
     decoding sequence on an H200 (the most splits, the widest merge); the layer's activations [tokens,
     hidden], q and k the views of one fused QKV projection's output that the models rotate, and rotary
-    tables as long as the longest sequence. Every pointer is 16-byte aligned, as
+    tables as long as the longest sequence; LoRA pools of the default rank for the widest shrink and expand,
+    the fused QKV projection's (three parts' ranks stacked), and the longest shrink, the down projection's,
+    B a transposed view of the pool's Bᵀ as models/lora.py passes it. Every pointer is 16-byte aligned, as
     the decode graphs' static buffers are; an eager step's int64 inputs, cut from one flat tensor, may not
     be, and Triton then compiles a variant without that hint (for the prefill it took the same registers)."""
     config = EngineConfig()
@@ -84,6 +87,8 @@ def engine_launches(shape: ModelShape, dtype: torch.dtype) -> dict[str, KernelLa
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     cos, sin = (empty(config.max_seq_len, dim // 2, of=torch.float32) for _ in range(2))
     x, residual, normed, summed = (empty(tokens, hidden) for _ in range(4))
+    qkv_lora = _lora_launches(tokens, hidden, qkv.shape[1], 3 * config.max_lora_rank, empty)
+    down_lora = _lora_launches(tokens, intermediate, hidden, config.max_lora_rank, empty)
     return {
         "store": triton_attention.store_launch(key, value, *caches, slots),
         "decode": decode,
@@ -96,7 +101,18 @@ def engine_launches(shape: ModelShape, dtype: torch.dtype) -> dict[str, KernelLa
         "add-rms-norm": triton_layers.add_rms_norm_launch(x, residual, empty(hidden), 1e-5, normed, summed),
         "silu-mul": triton_layers.silu_and_mul_launch(empty(tokens, 2 * intermediate), empty(tokens, intermediate)),
         "rotary": triton_layers.rotary_launch(q, k, empty(tokens, of=torch.long), cos, sin),
+        "lora-shrink": qkv_lora[0],
+        "lora-expand": qkv_lora[1],
+        "lora-shrink-down": down_lora[0],
     }
+
+
+def _lora_launches(tokens: int, inputs: int, outputs: int, rank: int, empty) -> list[KernelLaunch]:
+    """The LoRA shrink's and expand's KernelLaunch for a projection of `tokens` rows and a pool of that rank."""
+    a, b = empty(LORA_SLOTS, rank, inputs), empty(LORA_SLOTS, rank, outputs).transpose(1, 2)
+    order = empty(tokens, of=torch.long)
+    starts, counts = empty(LORA_SLOTS, of=torch.long), empty(LORA_SLOTS, of=torch.long)
+    return triton_lora.lora_launches(empty(tokens, outputs), empty(tokens, inputs), a, b, order, starts, counts)
 
 
 def specialised(launch: KernelLaunch) -> ASTSource:

@@ -9,9 +9,11 @@ engine's own launch functions pass it (workers/engine/kernel_launch.py), for
 the bundled model, TinyLlama-1.1B and Llama-3-8B, in bf16, fp16 and
 fp32: store, decode (one program per sequence, and split with the merge of
 its partial results), prefill, the sampler's noise, and the decoder layer's
-RMSNorm after the residual add, SiLU-and-multiply and rotary. It prints each
-kernel's warps, registers per thread, spilled bytes (stores/loads), stack
-frame, shared memory per program and compile time, and exits 1 on any compile
+RMSNorm after the residual add, SiLU-and-multiply and rotary, and the LoRA
+shrink and expand (the fused QKV projection's, the widest rank, and the down
+projection's shrink, the longest). It prints each kernel's warps, registers
+per thread, spilled bytes (stores/loads), stack frame, shared memory per
+program and compile time, and exits 1 on any compile
 error or any spill in bf16 or fp16, the dtypes a GPU serves in (fp32's are
 reported). The compiles run in `--jobs` processes (kernel_compile.py), in a
 Triton cache of their own that is removed after them.
@@ -33,7 +35,20 @@ from pathlib import Path
 
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME
 
-KERNELS = ("store", "decode", "decode-split", "merge", "prefill", "noise", "add-rms-norm", "silu-mul", "rotary")
+KERNELS = (
+    "store",
+    "decode",
+    "decode-split",
+    "merge",
+    "prefill",
+    "noise",
+    "add-rms-norm",
+    "silu-mul",
+    "rotary",
+    "lora-shrink",
+    "lora-expand",
+    "lora-shrink-down",
+)
 DTYPES = ("bf16", "fp16", "fp32")
 SERVED_DTYPES = ("bf16", "fp16")  # a spill in these fails the check
 
@@ -147,10 +162,10 @@ def failures(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    header = f"{'kernel':<13}{'dtype':<6}{'shape':<16}{'warps':>6}{'regs':>6}{'spills st/ld B':>16}{'stack B':>9}"
+    header = f"{'kernel':<17}{'dtype':<6}{'shape':<16}{'warps':>6}{'regs':>6}{'spills st/ld B':>16}{'stack B':>9}"
     lines = [header + f"{'shared B':>10}{'compile s':>11}"]
     for r in rows:
-        start = f"{r['kernel']:<13}{r['dtype']:<6}{r['shape']:<16}"
+        start = f"{r['kernel']:<17}{r['dtype']:<6}{r['shape']:<16}"
         if r["error"]:
             lines.append(start + "  error: " + r["error"].strip().splitlines()[-1][:100])
             continue
