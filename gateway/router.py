@@ -16,8 +16,9 @@ every step of a few hundred output tokens, and the room check already
 keeps a worker that holds a popular prefix from taking more than it can
 run. A request of a LoRA adapter costs more on a worker that would have to
 load it into a device slot (its report lists the adapters it holds): so an
-adapter's requests go where it is resident until those workers have no
-room, then spread, and each worker loads few adapters. With no worker that
+adapter's requests go where it is resident while those workers have room,
+and wait for them as long as the load would have taken, then spread; each
+worker then loads few adapters. With no worker that
 has room, the request waits in the gateway
 (dispatch.py). A route is a hint: a stale one costs latency, never a
 request, since whatever a worker holds is failed over if it dies.
@@ -36,7 +37,8 @@ BYTES_PER_TOKEN = 4  # to turn the prefix names' bytes into tokens
 STALE_AFTER_REPORTS = 3  # a worker whose report is older than this many intervals gets no route
 # Loading an adapter into a device slot, in the cost's units: as much as computing 512 prompt tokens. It is
 # more than its copy takes: a load also evicts another adapter that the next of its requests must load again.
-ADAPTER_LOAD_COST = PREFILL_WEIGHT * 512
+ADAPTER_LOAD_TOKENS = 512
+ADAPTER_LOAD_COST = PREFILL_WEIGHT * ADAPTER_LOAD_TOKENS
 
 
 def read_ahead(capacity: int) -> int:
@@ -128,10 +130,13 @@ class Router:
         """
         best: tuple[bool, float, int, _WorkerView, int] | None = None
         most_cached, most_cached_view = 0, None
+        holder = None  # a worker that holds the adapter, with room or not
         for view in self._workers.values():
             load = view.load
             if load.model != model or not self._fresh(view):
                 continue
+            if adapter is not None and adapter in load.adapters and load.worker_id != avoid:
+                holder = view
             cached = view.cached_tokens(hashes)
             if cached > most_cached:
                 most_cached, most_cached_view = cached, view
@@ -150,6 +155,8 @@ class Router:
         worth = 0.0
         if most_cached_view is not None and most_cached_view.load.worker_id != avoid:
             worth = (most_cached - cached) * most_cached_view.load.seconds_per_prompt_token
+        if holder is not None and adapter not in view.load.adapters:  # the route would load the adapter
+            worth = max(worth, ADAPTER_LOAD_TOKENS * holder.load.seconds_per_prompt_token)
         return Route(view.load.worker_id, view.load.inbox, cached, worth)
 
     def routed(self, route: Route) -> None:

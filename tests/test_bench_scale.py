@@ -12,10 +12,13 @@ from tests.processes import TOKENRELAY
 pytestmark = pytest.mark.kafka
 
 
-def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat(kafka_bootstrap, tmp_path):
+def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat_and_of_adapters(
+    kafka_bootstrap, tmp_path
+):
     plot = tmp_path / "scale.png"
     quick = ["--duration", "2", "--warmup", "0.5", "--gateways", "1", "--slowdown", "1", "--chat-slowdown", "1"]
     quick += ["--conversations", "4", "--turns", "2", "--chat-workers", "2"]
+    quick += ["--adapters", "6", "--adapter-workers", "2", "--max-loras", "2"]
     run = subprocess.run(
         [TOKENRELAY, "bench", "scale", "--workers", "1", "2", *quick, "--kafka-bootstrap", kafka_bootstrap]
         + ["--json", "--plot", str(plot)],
@@ -36,6 +39,11 @@ def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat
     for placement in ("router", "shared_queue", "one_worker"):
         assert chat[placement]["turns"] == 8 and 0 <= chat[placement]["prefix_hit_rate"] <= 1
     assert chat["router"]["prefix_hit_rate"] > 0  # the second turns find their first turns cached
+    adapters = report["adapters"]
+    for placement in ("router", "shared_queue"):
+        result = adapters[placement]
+        assert result["failed"] == 0 and result["requests"] > 0, result
+        assert result["loads_per_1000_requests"] == round(1000 * result["adapter_loads"] / result["requests"], 1)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -16,6 +16,12 @@ the router, placed by the shared request topics alone (gateways with
 `--no-router`, the placement before the router), and on one worker with the
 same total cache and batch: prefix-cache hit rate and TTFT of each.
 
+With `--adapters K`, a load of K LoRA adapters (a request's adapter drawn
+uniformly) on `--adapter-workers` workers of `--max-loras` device slots
+each, placed by the router (which prices loading an adapter) and by the
+shared request topics (adapter-blind): adapter loads per 1,000 requests and
+TTFT of each. An adapter's load takes the profile's `adapter_load_s`.
+
 The profile's step times are multiplied by `--slowdown` (the chat's by
 `--chat-slowdown`) so that the fleet's tokens fit through one machine's
 broker, gateways and clients (here: about 1,300 tokens/s in all, streamed);
@@ -113,6 +119,10 @@ class FleetWatch:
                 self.worker_s += len(loads) * (now - last)
             last = now
 
+    def adapter_loads(self) -> int:
+        """Adapters put into device slots, summed over the workers (since they started)."""
+        return sum(load.adapter_loads for load in self.loads.values())
+
     def cache_totals(self) -> tuple[int, int]:
         """Prompt tokens started, and those found cached, summed over the workers (since they started)."""
         loads = self.loads.values()
@@ -131,10 +141,17 @@ def _cpu_seconds(pid: int) -> float:
 
 @contextmanager
 def fleet(
-    args: argparse.Namespace, bootstrap: str, profile_path: Path, logs: Path, workers: int, batch: int, route: bool
+    args: argparse.Namespace,
+    bootstrap: str,
+    profile_path: Path,
+    logs: Path,
+    workers: int,
+    batch: int,
+    route: bool,
+    worker_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[list[str], list[int], str]]:
-    """N simulated workers and the gateways on fresh topics, once ready: the gateways' base URLs, the pids
-    (the simulating process's first) and the topic prefix."""
+    """N simulated workers (with `worker_args` too) and the gateways on fresh topics, once ready: the gateways'
+    base URLs, the pids (the simulating process's first) and the topic prefix."""
     kafka = [
         "--kafka-bootstrap",
         bootstrap,
@@ -145,7 +162,7 @@ def fleet(
     ]
     ports = [free_port() for _ in range(args.gateways)]
     simulate = ["simulate", "--workers", str(workers), "--simulate", str(profile_path), "--worker-id", "sim"]
-    commands = [[*simulate, "--served-model-name", MODEL, "--max-batch-size", str(batch), *kafka]]
+    commands = [[*simulate, "--served-model-name", MODEL, "--max-batch-size", str(batch), *kafka, *worker_args]]
     commands += [["gateway", "--port", str(p), *kafka, *([] if route else ["--no-router"])] for p in ports]
     with tokenrelay_processes(commands, logs) as processes:
         bases = [f"http://127.0.0.1:{p}" for p in ports]
@@ -237,6 +254,78 @@ async def saturate(args: argparse.Namespace, bootstrap: str, prefix: str, bases:
     }
 
 
+async def place_adapters(args: argparse.Namespace, bootstrap: str, prefix: str, bases: list[str], names: list[str]):
+    """The saturating load with each request under a random one of the adapters `names`: loads and TTFT."""
+    workers = args.adapter_workers
+    bus, watch, tasks = await _watching(bootstrap, prefix, bases, workers)
+    rng = random.Random(args.seed)
+    client = load_client()
+    outcomes: list[Outcome] = []
+    started = time.perf_counter()
+    window = (started + args.warmup, started + args.warmup + args.duration)
+
+    async def stream(index: int) -> None:
+        own = random.Random(rng.random())
+        while time.perf_counter() < window[1]:
+            request = Request(_text(own, args.prompt_bytes), own.randint(*args.output_lens))
+            base = bases[index % len(bases)]
+            outcomes.append(await one_stream("generate_stream", client, base, own.choice(names), request))
+
+    clients = [asyncio.create_task(stream(i)) for i in range(math.ceil(1.5 * workers * args.max_batch_size))]
+    await asyncio.sleep(args.warmup)
+    loads_before = watch.adapter_loads()
+    await asyncio.sleep(args.duration)
+    await asyncio.sleep(0.3)  # the window's last reports
+    loads = watch.adapter_loads() - loads_before
+    await asyncio.gather(*clients)
+    await client.aclose()
+    await _stop(bus, tasks)
+    in_window = [o for o in outcomes if window[0] <= o.sent_at < window[1] and o.token_times]
+    return {
+        "requests": len(in_window),
+        "adapter_loads": loads,
+        "loads_per_1000_requests": round(1000 * loads / max(len(in_window), 1), 1),
+        "ttft_ms": percentiles([o.token_times[0] - o.sent_at for o in in_window]),
+        "failed": sum(1 for o in outcomes if o.error is not None),
+    }
+
+
+def _adapters(args: argparse.Namespace, bootstrap: str, profile: Profile, logs: Path) -> dict:
+    """The adapter load placed by the router and by the shared topics (see the module's docstring)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    adapter = logs / "adapter"  # simulated workers read only an adapter's config and header: one tiny adapter
+    adapter.mkdir(exist_ok=True)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {
+        f"{prefix}.lora_A.weight": np.zeros((8, 16), np.float32),
+        f"{prefix}.lora_B.weight": np.zeros((16, 8), np.float32),
+    }
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    names = [f"lora{i}" for i in range(args.adapters)]
+    lora = ["--lora", *(f"{name}={adapter}" for name in names), "--max-loras", str(args.max_loras)]
+    path = _slowed(profile, args.slowdown, args.kv_tokens, logs / "adapters.json")
+    results = {}
+    for name, route in (("router", True), ("shared_queue", False)):
+        workers = args.adapter_workers
+        with fleet(args, bootstrap, path, logs, workers, args.max_batch_size, route, tuple(lora)) as (bases, _, p):
+            results[name] = asyncio.run(place_adapters(args, bootstrap, p, bases, names))
+        result = results[name]
+        print(
+            f"adapters, {name:12s} ({args.adapters} adapters, {workers} workers of {args.max_loras} slots): "
+            f"{result['loads_per_1000_requests']} loads per 1,000 requests  "
+            f"TTFT p50/p99 {result['ttft_ms']['p50']:.0f}/{result['ttft_ms']['p99']:.0f} ms  "
+            f"({result['requests']} requests, failed {result['failed']})",
+            flush=True,
+        )
+    router, shared = (results[k]["loads_per_1000_requests"] for k in ("router", "shared_queue"))
+    results["shared_queue_loads_over_router"] = round(shared / max(router, 1e-9), 2)
+    print(f"adapters: the shared queue loads {results['shared_queue_loads_over_router']}x as often", flush=True)
+    return results
+
+
 async def _chat_turn(client: httpx.AsyncClient, base: str, messages: list[dict], seed: int, max_tokens: int):
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "seed": seed, "stream": True}
     sent, first, text = time.perf_counter(), None, []
@@ -317,6 +406,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system-bytes", type=int, default=600, help="the system prompt every conversation shares")
     parser.add_argument("--user-bytes", type=int, default=500)
+    parser.add_argument("--adapters", type=int, default=0, help="LoRA adapters of the adapter load; 0: none")
+    parser.add_argument("--adapter-workers", type=int, default=8, help="workers of the adapter load")
+    parser.add_argument("--max-loras", type=int, default=4, help="device slots of each worker of the adapter load")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker from deploy/kafka/")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
@@ -350,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
                 _print_scale(row)
             if args.chat_workers:
                 report["chat"] = _chat(args, bootstrap, base, logs)
+            if args.adapters:
+                report["adapters"] = _adapters(args, bootstrap, base, logs)
     if args.plot:
         print(f"plot written to {plots.scale(report['scale'], plots.target(args.plot, 'scale'))}")
     if args.json:
@@ -359,7 +453,10 @@ def main(argv: list[str] | None = None) -> None:
 def _slowed(profile: Profile, slowdown: float, kv_tokens: int, path: Path) -> Path:
     """`profile` with its step times multiplied and its cache set, written to `path`."""
     slowed = {k: v * slowdown for k, v in dataclasses.asdict(profile.step).items()}
-    dataclasses.replace(profile, step=StepCost(**slowed), kv_cache_tokens=kv_tokens).dump(path)
+    adapter_load_s = profile.adapter_load_s * slowdown
+    dataclasses.replace(
+        profile, step=StepCost(**slowed), kv_cache_tokens=kv_tokens, adapter_load_s=adapter_load_s
+    ).dump(path)
     return path
 
 

@@ -1,9 +1,10 @@
 """A model that is only a step-time profile, so that one machine can stand in for a fleet of workers.
 
 The engine runs unchanged around it (scheduler, block manager, prefix
-cache, preemption, detokenizer); a step waits as long as the profile says
-that step takes, and each drawn token comes from the request's seed and the
-token's index alone, so a stream is checkable and a failed-over one goes on
+cache, preemption, detokenizer, LoRA adapters' device slots); a step waits
+as long as the profile says that step takes (and an adapter's load too),
+and each drawn token comes from the request's seed and the token's index
+alone, so a stream is checkable and a failed-over one goes on
 exactly. Nothing here imports torch or loads weights.
 
 Its tokenizer cuts UTF-8 text into 4-byte pieces (so equal prefixes give
@@ -20,6 +21,8 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from schemas.adapters import read_adapter
+from workers.engine.adapters import Adapters
 from workers.engine.config import EngineConfig
 from workers.engine.scheduler import Chunk
 from workers.engine.step_output import Scored, StepOutput
@@ -102,7 +105,16 @@ class SimulatedRunner:
         self._cost = profile.step
         self.block_size = config.block_size
         self.num_blocks = profile.kv_cache_tokens // config.block_size
-        self.adapters = None  # no weights to adapt
+        # Adapters in device slots as a loaded model has them; a load costs the profile's time, and nothing is
+        # computed with them (an adapter changes no simulated token).
+        self.adapters = None
+        if config.max_loras:
+            self.adapters = Adapters(
+                config.max_loras,
+                config.max_cpu_loras or config.max_loras,
+                lambda path: (read_adapter(path, config.max_lora_rank), {}),
+                lambda slot, adapter: time.sleep(profile.adapter_load_s),
+            )
         self.busy_s = 0.0  # time spent in steps, since start
 
     def bind_thread(self) -> None:
