@@ -2,7 +2,9 @@
 
 Two kinds of reading:
 - a *listener* sees every message of a topic from now on (optionally the last
-  few seconds too): replies for a gateway, control messages for everyone;
+  few seconds too): replies for a gateway, control messages for everyone; or
+  from the topic's beginning, for a compacted topic whose latest message of
+  each key is a state (the LoRA adapters loaded at run time);
 - a *request queue* shares the request topics of a model among the workers of
   a group: each request goes to one worker, which acknowledges it when the
   request is finished, so that a worker that dies leaves its unfinished
@@ -174,21 +176,29 @@ class Bus(ABC):
     async def close(self) -> None: ...
 
     @abstractmethod
-    async def create_topics(self, partitions: Mapping[str, int]) -> None:
-        """Create the topics that do not exist yet, with these partition counts."""
+    async def create_topics(self, partitions: Mapping[str, int], compacted: bool = False) -> None:
+        """Create the topics that do not exist yet, with these partition counts.
+
+        `compacted`: the broker keeps only the latest message of each key (Kafka's cleanup.policy=compact), for
+        a topic of states read from its beginning; one without a key is never compacted away.
+        """
 
     @abstractmethod
     async def delete_topics(self, topics: Sequence[str]) -> None: ...
 
     @abstractmethod
-    async def publish(self, topic: str, message: BusMessage) -> None:
-        """Deliver a message; raises BusUnavailable or UnknownTopic."""
+    async def publish(self, topic: str, message: BusMessage, key: str | None = None) -> None:
+        """Deliver a message; raises BusUnavailable or UnknownTopic.
+
+        `key`: what a compacted topic keeps the latest message of (see create_topics).
+        """
 
     @abstractmethod
-    async def listen(self, topic: str, replay_s: float = 0.0) -> Listener:
+    async def listen(self, topic: str, replay_s: float = 0.0, from_start: bool = False) -> Listener:
         """Open a listener; once this returns, no later message of the topic is missed.
 
-        `replay_s` > 0 also delivers the messages of the last `replay_s` seconds.
+        `replay_s` > 0 also delivers the messages of the last `replay_s` seconds; `from_start`, every message
+        the topic still holds (of a compacted topic: at least the latest of each key).
         """
 
     @abstractmethod

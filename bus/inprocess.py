@@ -2,8 +2,10 @@
 
 It keeps the semantics the gateway and worker rely on: topics must be
 created before use, listeners see what is published after they open (plus a
-short replay), and each request of a queued topic goes to one taker. Nothing
-survives the process; acknowledging a request only counts it out of the backlog.
+short replay), a compacted topic keeps the latest message of each key for
+the listeners that read it from the start, and each request of a queued
+topic goes to one taker. Nothing survives the process; acknowledging a
+request only counts it out of the backlog.
 """
 
 from __future__ import annotations
@@ -20,10 +22,23 @@ _REPLAY_WINDOW_S = 60.0
 
 
 class _Topic:
-    def __init__(self) -> None:
+    def __init__(self, compacted: bool) -> None:
         self.listeners: set[asyncio.Queue[BusMessage]] = set()
         self.recent: deque[tuple[float, BusMessage]] = deque()  # for replay
+        # A compacted topic's: the latest message of each key (one without a key under a key of its own), in the
+        # order they came, for listeners from the start.
+        self.latest: dict[object, BusMessage] | None = {} if compacted else None
         self.queue: _InProcessRequestQueue | None = None  # who takes its requests
+
+    def keep(self, message: BusMessage, key: str | None) -> None:
+        if self.latest is not None:
+            kept = object() if key is None else key
+            self.latest.pop(kept, None)
+            self.latest[kept] = message
+
+    def held(self) -> list[BusMessage]:
+        """Every message it still holds: a compacted topic's latest ones, another's of the replay window."""
+        return list(self.latest.values()) if self.latest is not None else [m for _, m in self.recent]
 
 
 class _InProcessListener(Listener):
@@ -73,9 +88,9 @@ class InProcessBus(Bus):
     async def close(self) -> None:
         self._topics.clear()
 
-    async def create_topics(self, partitions: Mapping[str, int]) -> None:
+    async def create_topics(self, partitions: Mapping[str, int], compacted: bool = False) -> None:
         for name in partitions:
-            self._topics.setdefault(name, _Topic())
+            self._topics.setdefault(name, _Topic(compacted))
 
     async def delete_topics(self, topics: Sequence[str]) -> None:
         for name in topics:
@@ -87,8 +102,9 @@ class InProcessBus(Bus):
         except KeyError:
             raise UnknownTopic(name) from None
 
-    async def publish(self, topic: str, message: BusMessage) -> None:
+    async def publish(self, topic: str, message: BusMessage, key: str | None = None) -> None:
         target = self._topic(topic)
+        target.keep(message, key)
         now = time.monotonic()
         target.recent.append((now, message))
         while target.recent and target.recent[0][0] < now - _REPLAY_WINDOW_S:
@@ -98,10 +114,13 @@ class InProcessBus(Bus):
         if target.queue is not None and isinstance(message, GenerationRequest):
             target.queue.put(topic, message)
 
-    async def listen(self, topic: str, replay_s: float = 0.0) -> Listener:
+    async def listen(self, topic: str, replay_s: float = 0.0, from_start: bool = False) -> Listener:
         target = self._topic(topic)
         since = time.monotonic() - replay_s
-        replayed = [m for t, m in target.recent if t >= since] if replay_s > 0 else []
+        if from_start:
+            replayed = target.held()
+        else:
+            replayed = [m for t, m in target.recent if t >= since] if replay_s > 0 else []
         return _InProcessListener(target, replayed)
 
     async def backlog(self, topics: Sequence[str], group: str) -> dict[str, int]:

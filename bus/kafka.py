@@ -378,19 +378,21 @@ class KafkaBus(Bus):
                 sender.cancel()
         await producer.stop()
 
-    def _topic_configs(self) -> dict[str, str]:
+    def _topic_configs(self, compacted: bool) -> dict[str, str]:
         configs = {"max.message.bytes": str(self._settings.max_message_bytes + _RECORD_OVERHEAD)}
+        if compacted:  # the latest message of each key is kept for ever, older ones cleaned away
+            configs["cleanup.policy"] = "compact"
         if self._settings.replication_factor >= 3:
             # An acks=all write waits for two copies whatever the broker's default, and a topic keeps
             # taking writes with one replica down (two of three in sync).
             configs["min.insync.replicas"] = "2"
         return configs
 
-    async def create_topics(self, partitions: Mapping[str, int]) -> None:
+    async def create_topics(self, partitions: Mapping[str, int], compacted: bool = False) -> None:
         assert self._admin is not None
         existing = set(await self._admin.list_topics())
         missing = [
-            NewTopic(name, count, self._settings.replication_factor, topic_configs=self._topic_configs())
+            NewTopic(name, count, self._settings.replication_factor, topic_configs=self._topic_configs(compacted))
             for name, count in partitions.items()
             if name not in existing
         ]
@@ -431,12 +433,12 @@ class KafkaBus(Bus):
         assert self._admin is not None
         await self._admin.delete_topics(list(topics))
 
-    async def publish(self, topic: str, message: BusMessage) -> None:
+    async def publish(self, topic: str, message: BusMessage, key: str | None = None) -> None:
         producer = self._producer
         assert producer is not None
         try:
             async with asyncio.timeout(self._settings.publish_timeout_s):
-                await producer.send_and_wait(topic, encode(message))
+                await producer.send_and_wait(topic, encode(message), key=None if key is None else key.encode())
         except UnknownTopicOrPartitionError:
             raise UnknownTopic(topic) from None
         except (KafkaError, TimeoutError) as error:
@@ -459,12 +461,15 @@ class KafkaBus(Bus):
             **{"fetch_max_wait_ms": self._settings.fetch_max_wait_ms, **overrides},
         )
 
-    async def listen(self, topic: str, replay_s: float = 0.0) -> Listener:
+    async def listen(self, topic: str, replay_s: float = 0.0, from_start: bool = False) -> Listener:
         consumer = await self._listening_consumer(topic)
         try:
             partitions = list(consumer.assignment())
-            await consumer.seek_to_end(*partitions)
-            if replay_s > 0:
+            if from_start:
+                await consumer.seek_to_beginning(*partitions)
+            else:
+                await consumer.seek_to_end(*partitions)
+            if replay_s > 0 and not from_start:
                 since_ms = int((time.time() - replay_s) * 1000)
                 found = await consumer.offsets_for_times({p: since_ms for p in partitions})
                 for partition, offset in found.items():
@@ -475,12 +480,15 @@ class KafkaBus(Bus):
         except BaseException:
             await consumer.stop()
             raise
-        return _KafkaListener(consumer, lambda: self._listening_consumer(topic))
+        return _KafkaListener(consumer, lambda: self._listening_consumer(topic, from_start))
 
-    async def _listening_consumer(self, topic: str) -> AIOKafkaConsumer:
-        """A started consumer of no group, assigned every partition of `topic`."""
+    async def _listening_consumer(self, topic: str, from_start: bool = False) -> AIOKafkaConsumer:
+        """A started consumer of no group, assigned every partition of `topic`; where it has read nothing yet, it
+        reads from the end (or, `from_start`, the beginning)."""
         consumer = self._consumer(
-            group_id=None, auto_offset_reset="latest", fetch_max_wait_ms=self._settings.listen_fetch_max_wait_ms
+            group_id=None,
+            auto_offset_reset="earliest" if from_start else "latest",
+            fetch_max_wait_ms=self._settings.listen_fetch_max_wait_ms,
         )
         await consumer.start()
         try:

@@ -120,8 +120,8 @@ class _Child:
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
             if kind == _PUBLISH:
-                topic, _, payload = body.partition(b"\0")
-                await self._answer(ident, self._bus.publish(topic.decode(), decode(payload)))
+                topic, key, payload = body.split(b"\0", 2)  # an empty key: none
+                await self._answer(ident, self._bus.publish(topic.decode(), decode(payload), key.decode() or None))
             elif kind == _CALL:
                 await self._answer(ident, self._call(json.loads(body)))
             elif kind == _FINISHED and (taken := self._deliveries.pop(ident, None)) is not None:
@@ -144,13 +144,13 @@ class _Child:
     async def _call(self, call: dict):
         op = call["op"]
         if op == "create_topics":
-            return await self._bus.create_topics(call["partitions"])
+            return await self._bus.create_topics(call["partitions"], call["compacted"])
         if op == "delete_topics":
             return await self._bus.delete_topics(call["topics"])
         if op == "backlog":
             return await self._bus.backlog(call["topics"], call["group"])
         if op == "listen":  # ids are the child's: what they name may arrive before the reply
-            listener = await self._bus.listen(call["topic"], call["replay_s"])
+            listener = await self._bus.listen(call["topic"], call["replay_s"], call["from_start"])
             self._listeners[call["id"]] = (listener, asyncio.create_task(self._forward(call["id"], listener)))
             return None
         if op == "open_request_queue":
@@ -290,11 +290,11 @@ class LocalBus(Bus):
     async def _call(self, op: str, **arguments):
         return await self._ask(_CALL, json.dumps({"op": op, **arguments}).encode())
 
-    async def publish(self, topic: str, message: BusMessage) -> None:
-        await self._ask(_PUBLISH, topic.encode() + b"\0" + encode(message))
+    async def publish(self, topic: str, message: BusMessage, key: str | None = None) -> None:
+        await self._ask(_PUBLISH, topic.encode() + b"\0" + (key or "").encode() + b"\0" + encode(message))
 
-    async def create_topics(self, partitions: Mapping[str, int]) -> None:
-        await self._call("create_topics", partitions=dict(partitions))
+    async def create_topics(self, partitions: Mapping[str, int], compacted: bool = False) -> None:
+        await self._call("create_topics", partitions=dict(partitions), compacted=compacted)
 
     async def delete_topics(self, topics: Sequence[str]) -> None:
         await self._call("delete_topics", topics=list(topics))
@@ -302,10 +302,10 @@ class LocalBus(Bus):
     async def backlog(self, topics: Sequence[str], group: str) -> dict[str, int]:
         return await self._call("backlog", topics=list(topics), group=group)
 
-    async def listen(self, topic: str, replay_s: float = 0.0) -> Listener:
+    async def listen(self, topic: str, replay_s: float = 0.0, from_start: bool = False) -> Listener:
         ident = next(self._ids)
         messages = self._listeners[ident] = asyncio.Queue()
-        await self._call("listen", topic=topic, replay_s=replay_s, id=ident)
+        await self._call("listen", topic=topic, replay_s=replay_s, from_start=from_start, id=ident)
         return _LocalListener(messages, lambda: self._call("close_listener", id=ident))
 
     async def open_request_queue(self, topics: Sequence[str], group: str, aging_s: float = 10.0) -> RequestQueue:

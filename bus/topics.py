@@ -1,7 +1,8 @@
 """Topic names: one request topic per served model and priority (the queue
 shared by its workers), one inbox per worker (the requests routed to it),
-one reply topic per gateway, one control topic for everyone, and one routing
-topic where workers tell gateways their load and cache."""
+one reply topic per gateway, one control topic for everyone, one routing
+topic where workers tell gateways their load and cache, and one adapters
+topic, compacted on Kafka, that holds the LoRA adapters loaded at run time."""
 
 from __future__ import annotations
 
@@ -44,3 +45,9 @@ def inbox_topic(prefix: str, worker_id: str) -> str:
 
 def routing_topic(prefix: str) -> str:
     return f"{prefix}.routing"
+
+
+def adapters_topic(prefix: str) -> str:
+    """The LoRA adapters loaded and unloaded at run time (schemas.messages.AdapterState), keyed by model/name:
+    compacted on Kafka and read from its beginning, so that the latest state of each adapter is never lost."""
+    return f"{prefix}.adapters"
