@@ -14,7 +14,19 @@ from gateway.api_keys import ApiKeys, open_path
 from gateway.errors import install_handlers
 from gateway.media import MediaLoader
 from gateway.request_body import RequestBodies
-from gateway.routes import embeddings, health, metrics, mindie, openai, responses, tgi, tokenize, triton, websocket
+from gateway.routes import (
+    embeddings,
+    health,
+    lora,
+    metrics,
+    mindie,
+    openai,
+    responses,
+    tgi,
+    tokenize,
+    triton,
+    websocket,
+)
 from gateway.service import GatewayService
 
 
@@ -28,7 +40,8 @@ def create_app(
     """An app that serves through `service`, which it starts and stops with itself.
 
     Request bodies over `max_request_bytes` are refused (413) before they are
-    parsed; with `api_keys`, requests without one of them are refused (401) first.
+    parsed; with `api_keys`, requests without one of them (or of the admin keys, which may load LoRA adapters:
+    routes/lora.py) are refused (401) first.
     `more_metrics()`: Prometheus text that GET /metrics adds (another process's, as serve's engine).
     """
 
@@ -60,7 +73,7 @@ def create_app(
     app.add_middleware(RequestBodies, max_bytes=max_request_bytes)
     app.add_middleware(HeadAsGet)
     if api_keys:
-        app.add_middleware(ApiKeys, keys=api_keys)
+        app.add_middleware(ApiKeys, keys=[*api_keys, *service.settings.admin_api_keys])
     app.add_middleware(AccessLog)  # first: it logs and counts every answer, the others' refusals included
     install_handlers(app)
     openapi.install(app, keys_required=lambda path: bool(api_keys) and not open_path(path))
@@ -71,6 +84,7 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(tgi.router)
     app.include_router(tokenize.router)
+    app.include_router(lora.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(websocket.router)

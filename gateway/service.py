@@ -3,7 +3,9 @@
 One instance per gateway process. It owns the gateway's reply topic (created
 at start, deleted at a clean stop), listens to the control topic for the
 workers' heartbeats and to the routing topic for their load reports, which
-its router (router.py) reads to pick each request's worker. The HTTP routes
+its router (router.py) reads to pick each request's worker, and to the
+adapters topic from its beginning for the LoRA adapters loaded at run time
+(routes/lora.py publishes them there, through `change_adapter`). The HTTP routes
 call `resolve`, `submit` and `stop_requests`. A stopInfer for a request that
 another gateway took is asked of every gateway on the control topic.
 Its heartbeats go to the control topic (workers drop the requests of a gateway
@@ -23,7 +25,7 @@ import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.peers import PeerClock, send_own_heartbeat
-from bus.topics import control_topic, reply_topic, routing_topic
+from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic
 from gateway import failover
 from gateway.access_log import current_request_id
 from gateway.directory import WorkerDirectory
@@ -35,6 +37,7 @@ from gateway.router import Router
 from gateway.settings import GatewaySettings
 from schemas.messages import (
     STREAM_ERRORS,
+    AdapterState,
     CancelRequest,
     ChatMessage,
     ContentPart,
@@ -79,6 +82,7 @@ class GatewayService:
         self._reply_topic = reply_topic(settings.topic_prefix, self.gateway_id)
         self._control_topic = control_topic(settings.topic_prefix)
         self._routing_topic = routing_topic(settings.topic_prefix)
+        self._adapters_topic = adapters_topic(settings.topic_prefix)
         self._metrics = metrics_of("gateway")
         self.directory = WorkerDirectory(on_new_model=self._count_from_zero)
         self.inflight = InFlightRegistry()
@@ -102,11 +106,14 @@ class GatewayService:
 
     async def start(self) -> None:
         await self._bus.create_topics({self._reply_topic: 1, self._control_topic: 1, self._routing_topic: 1})
+        await self._bus.create_topics({self._adapters_topic: 1}, compacted=True)
         replies = await self._bus.listen(self._reply_topic)
         control = await self._bus.listen(self._control_topic, replay_s=CONTROL_REPLAY_S)
         routing = await self._bus.listen(self._routing_topic, replay_s=CONTROL_REPLAY_S)
-        self._listeners = [replies, control, routing]
+        adapters = await self._bus.listen(self._adapters_topic, from_start=True)
+        self._listeners = [replies, control, routing, adapters]
         self._tasks = [
+            asyncio.create_task(self._watch_adapters(adapters), name="watch-adapters"),
             asyncio.create_task(self._route_replies(replies), name="route-replies"),
             asyncio.create_task(self._watch_control(control), name="watch-control"),
             asyncio.create_task(self._watch_routing(routing), name="watch-routing"),
@@ -178,6 +185,21 @@ class GatewayService:
                 self.router.observe(message)
                 self._dispatcher.room_may_have_changed()
 
+    async def _watch_adapters(self, adapters: Listener) -> None:
+        async for message in adapters:
+            if isinstance(message, AdapterState):
+                self.directory.adapter_changed(message)
+
+    async def change_adapter(self, state: AdapterState) -> None:
+        """Load or unload a LoRA adapter for the fleet: on the adapters topic, and in this gateway's directory at
+        once (the next request sees it, before the topic brings it back); 503 if the bus does not take it."""
+        try:
+            await self._bus.publish(self._adapters_topic, state, key=state.key)
+        except (BusUnavailable, UnknownTopic) as error:
+            raise unavailable(f"the message bus cannot take the adapter's state now: {error}") from error
+        self.directory.adapter_changed(state)
+        log.info("adapter_changed", model=state.model, adapter=state.name, path=state.path, loaded=state.loaded)
+
     def _heartbeat(self, leaving: bool = False) -> GatewayHeartbeat:
         return GatewayHeartbeat(
             gateway_id=self.gateway_id, reply_to=self._reply_topic, interval_s=HEARTBEAT_INTERVAL_S, leaving=leaving
@@ -185,7 +207,7 @@ class GatewayService:
 
     async def _send_heartbeats(self) -> None:
         """Tell workers this gateway still waits for its requests' tokens; check that its listeners still hear."""
-        replies, control, _ = self._listeners
+        replies, control, *_ = self._listeners
         watched = [
             (self._reply_topic, replies, self._reply_echo),
             (self._control_topic, control, self._failover.workers),

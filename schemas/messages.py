@@ -375,6 +375,28 @@ class GatewayHeartbeat(_Message):
     leaving: bool = False  # the gateway is shutting down: nobody waits for its requests any more
 
 
+class AdapterState(_Message):
+    """A LoRA adapter loaded or unloaded at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter).
+
+    On the adapters topic, which Kafka compacts: keyed by `model/name`, the
+    latest message of a key is the adapter's state, so that a gateway or a
+    worker that starts reads the fleet's adapters from the topic's beginning.
+    """
+
+    kind: Literal["adapter_state"] = "adapter_state"
+    model: str  # the canonical name of the base model
+    name: str  # the model name clients call it by
+    path: str  # its directory, as resolved under the gateway's --lora-root
+    loaded: bool  # False: unloaded
+    # When a gateway published it (time.time()): the gateway that did applies it at once, and its echo on the
+    # topic must not undo a later change it applied meanwhile.
+    changed_at: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.name}"
+
+
 BusMessage = Annotated[
     GenerationRequest
     | TokenEvents
@@ -383,7 +405,8 @@ BusMessage = Annotated[
     | GatewayHeartbeat
     | WorkerLoad
     | StopClientRequest
-    | StopAnswer,
+    | StopAnswer
+    | AdapterState,
     Field(discriminator="kind"),
 ]
 _bus_message = TypeAdapter(BusMessage)

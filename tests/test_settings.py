@@ -35,6 +35,7 @@ SAMPLES = {
     "--allowed-media-domains": ["example.com,images.example.org"],
     "--tensor-parallel-size": ["2"],
     "--distributed-init": ["tcp://127.0.0.1:29500"],
+    "--lora-root": [str(BUNDLED_VISION_MODEL)],  # a directory that exists
 }
 SIMULATE = {"worker": "bundled-cpu", "simulate": "llama-1.1b-h200"}  # a profile other than the default
 TLS = {"--tls-cert": "cert.pem", "--tls-key": "key.pem", "--tls-ca": "ca.pem"}  # they go together
@@ -159,6 +160,7 @@ def test_the_bundled_models_are_named_as_their_flags_say():
         (["simulate", *KAFKA, "--metrics-address", "host:http"], "--metrics-address 'host:http' is not HOST:PORT"),
         (["simulate", *KAFKA, "--workers", "0"], "--workers 0: at least 1"),
         (["worker", *KAFKA, "--model", "/models/x", "--vision"], "--vision serves the bundled vision-language model"),
+        (["gateway", *KAFKA, "--lora-root", "/no/such/dir"], "--lora-root /no/such/dir: no such directory"),
     ],
 )
 def test_settings_that_cannot_be_had_are_refused_before_anything_starts(argv, reason):

@@ -140,6 +140,20 @@ def _gateway_options(parser: _Parser) -> None:
     )
     _option(parser, "--api-keys", nargs="+", default=[], help="API keys clients must send (Bearer); none: open")
     _option(parser, "--api-keys-file", default="", help="a file of API keys, one per line (with --api-keys, all count)")
+    _option(
+        parser,
+        "--admin-api-keys",
+        nargs="+",
+        default=[],
+        help="keys (Bearer) allowed to load and unload LoRA adapters at run time (/v1/load_lora_adapter); none: "
+        "run-time loading is refused",
+    )
+    _option(
+        parser,
+        "--lora-root",
+        default="",
+        help="the directory under which LoRA adapters loaded at run time must lie; empty: run-time loading is refused",
+    )
     _option(parser, "--tls-cert", default="", help="PEM certificate chain: serve https (with --tls-key)")
     _option(parser, "--tls-key", default="", help="PEM private key of --tls-cert")
     _option(parser, "--tls-ca", default="", help="PEM CA bundle: require client certificates it signed (mutual TLS)")

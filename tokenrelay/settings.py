@@ -124,7 +124,16 @@ def _gateway(args: argparse.Namespace) -> GatewaySettings:
         full_text=args.full_text_enabled,
         max_in_flight=args.max_in_flight,
         route=not args.no_router,
+        admin_api_keys=tuple(key.strip() for key in args.admin_api_keys if key.strip()),
+        lora_root=_lora_root(args.lora_root),
     )
+
+
+def _lora_root(root: str) -> str:
+    """--lora-root, resolved (symbolic links and all), so that an adapter's resolved path is compared with it."""
+    if root and not Path(root).is_dir():
+        raise CannotStart(f"--lora-root {root}: no such directory")
+    return os.path.realpath(root) if root else ""
 
 
 def _worker(args: argparse.Namespace) -> WorkerSettings:

@@ -15,7 +15,12 @@ fails over the ones a worker stops listing); cancellations and the gateways'
 heartbeats arrive there too: the requests of a gateway that left or went
 silent are cancelled, or skipped when taken. Draining (SIGTERM) stops the
 taking, leaves the group and hands back what waits; what runs either ends
-here or is handed over when the drain's time is up.
+here or is handed over when the drain's time is up. The LoRA adapters loaded
+and unloaded at run time come on the adapters topic, read from its
+beginning: those of its model are checked (read and validated on the event
+loop, never touching the engine's host cache, which is the engine thread's),
+then announced in its heartbeats beside those it started with; one unloaded
+is forgotten by the engine, through its inbox.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ from prometheus_client import Counter, Gauge
 from bus.base import Bus, BusUnavailable, Delivery, Listener, RequestQueue, offer
 from bus.peers import PeerClock, send_own_heartbeat
 from bus.prefixes import CHUNK_BYTES, prefix_hashes, prompt_bytes
-from bus.topics import control_topic, inbox_topic, request_topics, routing_topic, worker_group
-from schemas.adapters import AdapterError
+from bus.topics import adapters_topic, control_topic, inbox_topic, request_topics, routing_topic, worker_group
+from schemas.adapters import AdapterError, LoraSupport, check_fits, read_adapter
 from schemas.messages import (
     STREAM_ERRORS,
     TIMEOUT,
+    AdapterState,
     CancelRequest,
     ErrorInfo,
     FinishReason,
@@ -120,6 +126,8 @@ class Worker:
         self._engine = Engine(loaded, config, self._on_engine_step, on_cache=self._on_cache_change)
         self._config = config = self._engine.config  # with the device's defaults
         self._adapter_counts_seen = AdapterCounts()  # of the engine's, those counted in /metrics
+        self._static_adapters = dict(adapters or {})  # --lora: served whatever the adapters topic says
+        self._runtime_adapters: dict[str, str] = {}  # loaded at run time (the adapters topic), name -> directory
         self.model = ServedModel(
             name=served_names[0],
             aliases=served_names,
@@ -139,6 +147,7 @@ class Worker:
         self._control_topic = control_topic(settings.topic_prefix)
         self._inbox_topic = inbox_topic(settings.topic_prefix, settings.worker_id)
         self._routing_topic = routing_topic(settings.topic_prefix)
+        self._adapters_topic = adapters_topic(settings.topic_prefix)
         self._inbox_waiting: list[Delivery] = []  # read from the inbox, not started yet
         self._inbox_reads: defaultdict[str, int] = defaultdict(int)  # per gateway's reply topic, since start
         # Only the stuck-consumer check of the inbox listener: no peers there.
@@ -169,6 +178,7 @@ class Worker:
         self._queue: RequestQueue | None = None
         self._control: Listener | None = None
         self._inbox: Listener | None = None
+        self._adapter_states: Listener | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._draining = False
         self._engine_stuck = False  # its step outlasted engine_stuck_s: stop() does not wait for it
@@ -182,7 +192,9 @@ class Worker:
         partitions = {topic: self._settings.partitions for topic in self._topics}
         singles = dict.fromkeys((self._control_topic, self._inbox_topic, self._routing_topic), 1)
         await self._bus.create_topics({**partitions, **singles})
+        await self._bus.create_topics({self._adapters_topic: 1}, compacted=True)
         self._control = await self._bus.listen(self._control_topic)
+        self._adapter_states = await self._bus.listen(self._adapters_topic, from_start=True)
         self._inbox = await self._bus.listen(self._inbox_topic)  # before any report names it
         self._queue = await self._bus.open_request_queue(self._topics, self._group, self._config.aging_s)
         self._engine.start()
@@ -192,6 +204,7 @@ class Worker:
         """Serve until cancelled, or until a part of the worker fails."""
         structlog.contextvars.bind_contextvars(worker_id=self._settings.worker_id)  # this task's lines, and its tasks'
         assert self._queue is not None and self._control is not None and self._inbox is not None
+        assert self._adapter_states is not None
         self._tasks = {
             name: asyncio.create_task(coroutine, name=name)
             for name, coroutine in (
@@ -200,6 +213,7 @@ class Worker:
                 ("load-reports", self._load.run()),
                 ("publish-events", self._publish_events(self._queue)),
                 ("follow-control", self._follow_control(self._control)),
+                ("follow-adapters", self._follow_adapters(self._adapter_states)),
                 ("heartbeats", self._send_heartbeats()),
                 ("measure-backlog", self._measure_backlog(self._queue)),
             )
@@ -260,6 +274,8 @@ class Worker:
             await self._control.close()
         if self._inbox is not None:
             await self._inbox.close()
+        if self._adapter_states is not None:
+            await self._adapter_states.close()
         try:  # what it still held is failed over by the gateways, which heard it leave
             await self._bus.delete_topics([self._inbox_topic])
         except Exception as error:  # the broker may be gone already; the topic is then left behind
@@ -433,6 +449,33 @@ class Worker:
             elif isinstance(message, CancelRequest):
                 self._follow_cancel(message)
 
+    async def _follow_adapters(self, states: Listener) -> None:
+        """The adapters loaded and unloaded at run time: those of its model, served or dropped."""
+        async for state in states:
+            if isinstance(state, AdapterState) and state.model == self.model.name:
+                await self._adapter_changed(state)
+
+    async def _adapter_changed(self, state: AdapterState) -> None:
+        served = self._engine.adapters
+        if served is None or state.name in self._static_adapters:
+            log.info("adapter_ignored", adapter=state.name, reason="no --max-loras" if served is None else "--lora")
+            return
+        if not state.loaded:
+            if self._runtime_adapters.pop(state.name, None) is not None:
+                self._engine.forget_adapter(state.name)
+                log.info("adapter_removed", adapter=state.name)
+        else:
+            try:  # read-only, off the loop: the engine thread reads it into its host cache on the first request
+                await asyncio.to_thread(_check_adapter, state.path, served.support, self._config.max_lora_rank)
+            except AdapterError as error:
+                log.warning("adapter_refused", adapter=state.name, path=state.path, error=str(error))
+                return
+            if self._runtime_adapters.get(state.name) not in (None, state.path):  # loaded again from elsewhere
+                self._engine.forget_adapter(state.name)
+            self._runtime_adapters[state.name] = state.path
+            log.info("adapter_added", adapter=state.name, path=state.path)
+        self.model = self.model.model_copy(update={"adapters": {**self._static_adapters, **self._runtime_adapters}})
+
     def _follow_cancel(self, cancel: CancelRequest) -> None:
         taken = self._active.get(cancel.request_id)
         if taken is not None and cancel.covers(taken.attempt):
@@ -547,6 +590,13 @@ class Worker:
             except BusUnavailable as error:
                 log.debug("liveness_not_checked", error=str(error))
             await asyncio.sleep(_BACKLOG_INTERVAL_S)
+
+
+def _check_adapter(path: str, support: LoraSupport | None, max_rank: int) -> None:
+    """AdapterError unless the adapter in `path` fits the model (`support`; None: only its own checks)."""
+    spec = read_adapter(path, max_rank)
+    if support is not None:
+        check_fits(spec, support)
 
 
 def engine_request(request: GenerationRequest) -> EngineRequest:

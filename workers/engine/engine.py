@@ -92,6 +92,11 @@ class _Cancel:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _ForgetAdapter:
+    name: str
+
+
 _STOP = object()  # put in the inbox to end the engine thread
 # Tasks the admission answers from the tokenizer alone, between steps, in the inbox's order: no KV, no step.
 _ANSWERED_AT_ONCE = frozenset(("tokenize", "detokenize"))
@@ -221,6 +226,11 @@ class Engine:
         """End a request within one step, with finish_reason stop_sequence. Thread-safe."""
         self._inbox.put(_Cancel(request_id))
 
+    def forget_adapter(self, name: str) -> None:
+        """LoRA adapter `name` was unloaded: out of the host cache between two steps (the sequences that hold it
+        finish with it). Thread-safe: the adapters are the engine thread's."""
+        self._inbox.put(_ForgetAdapter(name))
+
     # -- the engine thread
 
     def _run(self) -> None:
@@ -254,7 +264,11 @@ class Engine:
                 if added or removed:
                     self._on_cache(added, removed)
 
-    def _apply(self, command: Submitted | _Cancel) -> list[TokenEvent]:
+    def _apply(self, command: Submitted | _Cancel | _ForgetAdapter) -> list[TokenEvent]:
+        if isinstance(command, _ForgetAdapter):
+            if self.adapters is not None:
+                self.adapters.forget(command.name)
+            return []
         if isinstance(command, _Cancel):
             sequence = self._sequences.get(command.request_id)
             if sequence is None and command.request_id in self._compiling:
