@@ -131,9 +131,8 @@ def test_adapters_load_and_unload_on_serve_for_admins_only(tmp_path):
         assert cards["shout"]["parent"] == MODEL and cards["shout"]["root"] == str(shout)
         answer = _complete(client, base, "shout")
         assert answer.status_code == 200, answer.text
-        if BUNDLED_ADAPTERS["shout"].is_dir():  # the trained one answers in upper case
-            letters = [c for c in answer.json()["choices"][0]["text"] if c.isalpha()]
-            assert sum(c.isupper() for c in letters) > 0.8 * len(letters), answer.text
+        # Generated under the adapter (what it generates, PEFT's tokens, is tests/test_lora.py's to check).
+        assert answer.json()["choices"][0]["text"] != _complete(client, base, MODEL).json()["choices"][0]["text"]
 
         removed = client.post(base + UNLOAD, json={"lora_name": "shout"}, headers=KEY)
         assert removed.status_code == 200 and removed.text == "Success: LoRA adapter 'shout' removed successfully."
