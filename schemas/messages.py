@@ -345,6 +345,7 @@ class WorkerLoad(_Message):
     draining: bool = False  # it finishes what it runs and takes nothing more: route nothing to it
     tensor_parallel_size: int = Field(default=1, ge=1)  # devices its model is split across
     adapters: list[str] = []  # the LoRA adapters in its device slots, most recently used first
+    adapter_loads: int = 0  # adapters it has put into a device slot, since it started
 
 
 class StopClientRequest(_Message):

@@ -20,7 +20,7 @@ from bus.settings import InProcessSettings, KafkaSettings
 from tokenrelay.flags import build_parser
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.settings import settings_from
-from workers.bundled import BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
+from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
 
 COMMANDS = ("serve", "gateway", "worker", "simulate")
 KAFKA = ["--kafka-bootstrap", "broker-a:9092"]
@@ -36,6 +36,7 @@ SAMPLES = {
     "--tensor-parallel-size": ["2"],
     "--distributed-init": ["tcp://127.0.0.1:29500"],
     "--lora-root": [str(BUNDLED_VISION_MODEL)],  # a directory that exists
+    "--lora": [f"shout={BUNDLED_ADAPTERS['shout']}", f"code={BUNDLED_ADAPTERS['code']}"],
 }
 SIMULATE = {"worker": "bundled-cpu", "simulate": "llama-1.1b-h200"}  # a profile other than the default
 TLS = {"--tls-cert": "cert.pem", "--tls-key": "key.pem", "--tls-ca": "ca.pem"}  # they go together

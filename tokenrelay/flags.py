@@ -223,24 +223,6 @@ def _model_options(parser: _Parser) -> None:
     )
     _option(
         parser,
-        "--lora",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="serve the LoRA adapter (PEFT's format) in directory PATH as model NAME (repeatable)",
-    )
-    _option(
-        parser,
-        "--max-loras",
-        type=int,
-        default=0,
-        help="LoRA adapters in device slots at once (each step computes over them); 0: 4 where --lora names any, "
-        "else no adapters are served",
-    )
-    _option(parser, "--max-cpu-loras", type=int, default=0, help="LoRA adapters kept in host memory; 0: --max-loras")
-    _option(parser, "--max-lora-rank", type=int, default=64, help="the highest rank of a LoRA adapter served")
-    _option(
-        parser,
         "--kv-cache-memory",
         type=float,
         default=0.0,
@@ -265,6 +247,25 @@ def _model_options(parser: _Parser) -> None:
 
 def _engine_options(parser: _Parser) -> None:
     """The engine around the model, loaded or simulated, and the worker it serves."""
+    _option(
+        parser,
+        "--lora",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter (PEFT's format) in directory PATH as model NAME (several, or repeated)",
+    )
+    _option(
+        parser,
+        "--max-loras",
+        type=int,
+        default=0,
+        help="LoRA adapters in device slots at once (each step computes over them); 0: 4 where --lora names any, "
+        "else no adapters are served",
+    )
+    _option(parser, "--max-cpu-loras", type=int, default=0, help="LoRA adapters kept in host memory; 0: --max-loras")
+    _option(parser, "--max-lora-rank", type=int, default=64, help="the highest rank of a LoRA adapter served")
     _option(
         parser,
         "--served-model-name",

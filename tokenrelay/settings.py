@@ -158,7 +158,7 @@ def _model(args: argparse.Namespace) -> ModelSettings:
             profile = Profile.load(args.simulate)
         except ValueError as error:
             raise CannotStart(f"--simulate: {error}") from None
-        return ModelSettings(served_names=names or (profile.name,), simulate=profile)
+        return ModelSettings(served_names=names or (profile.name,), simulate=profile, adapters=_adapters(args.lora))
     path, name = args.model, args.model
     if args.model == str(BUNDLED_MODEL) and args.vision:
         path, name = str(BUNDLED_VISION_MODEL), BUNDLED_VISION_MODEL_NAME
@@ -200,7 +200,6 @@ def _engine(args: argparse.Namespace) -> EngineConfig:
             "kv_cache_bytes": int(args.kv_cache_memory * 2**30) or None,
             "gpu_memory_fraction": args.gpu_memory_fraction,
             "cuda_graphs": not args.no_cuda_graphs,
-            **_lora_slots(args),
         }
     return EngineConfig(
         max_batch_size=args.max_batch_size or None,
@@ -210,6 +209,7 @@ def _engine(args: argparse.Namespace) -> EngineConfig:
         max_tokens_per_step=args.max_tokens_per_step or None,
         block_size=args.block_size,
         aging_s=args.priority_aging,
+        **_lora_slots(args),
         **loaded,
     )
 

@@ -519,6 +519,7 @@ class Worker:
             "inbox_reads": dict(self._inbox_reads),
             "draining": self._draining,
             "adapters": self._adapters_resident(),
+            "adapter_loads": self._engine.adapters.counts.loads if self._engine.adapters is not None else 0,
         }
 
     def _adapters_resident(self) -> list[str]:
