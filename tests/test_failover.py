@@ -24,7 +24,7 @@ from tests.vision_models import data_uri
 from tokenrelay.bench.chaos import FAILURES, PROMPTS, Kind, Workers, run_chaos
 from tokenrelay.topology import tokenrelay_processes
 from tokenrelay.topology import wait_ready as wait_gateway_ready
-from workers.bundled import BUNDLED_VISION_MODEL_NAME
+from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_VISION_MODEL_NAME
 from workers.train_bundled_vision_model import draw_example
 
 pytestmark = pytest.mark.kafka
@@ -100,13 +100,15 @@ class _StructuredStream:
 
 
 async def _streams(url: str, count: int, while_running=None) -> tuple[list[_Stream], list, list[_ImageStream]]:
-    """`count` text streams, 8 structured ones and 4 about pictures (on the vision model's workers), at once."""
+    """`count` text streams (every other one under the LoRA adapter `shout`), 8 structured ones and 4 about
+    pictures (on the vision model's workers), at once."""
     streams = [_Stream() for _ in range(count)]
     structured = [_StructuredStream(seed) for seed in range(8)]
     images = [_ImageStream(seed) for seed in range(4)]
     base_url = url.split("/v2/")[0]
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
-        tasks = [asyncio.create_task(s.run(client, url, _body(i))) for i, s in enumerate(streams)]
+        adapted = url.replace(f"/{MODEL}/", "/shout/")
+        tasks = [asyncio.create_task(s.run(client, adapted if i % 2 else url, _body(i))) for i, s in enumerate(streams)]
         tasks += [asyncio.create_task(s.run(client, base_url)) for s in [*structured, *images]]
         if while_running is not None:
             await while_running(streams, images)
@@ -147,9 +149,10 @@ def _joined(worker: Process) -> bool:
 
 async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kafka_bootstrap, topic_prefix, spawn):
     """And so do image requests: a worker of the vision model is killed too; the images travel in the request,
-    so the worker that takes over encodes the same bytes."""
+    so the worker that takes over encodes the same bytes; and those of a LoRA adapter, which both workers serve."""
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
-    workers = [spawn("worker", *kafka, "--worker-id", f"w{i}") for i in range(2)]
+    lora = ["--lora", f"shout={BUNDLED_ADAPTERS['shout']}"]
+    workers = [spawn("worker", *kafka, *lora, "--worker-id", f"w{i}") for i in range(2)]
     vision = [spawn("worker", *kafka, "--vision", "--worker-id", f"v{i}") for i in range(2)]
     port = free_port()
     gateway = spawn("gateway", "--port", str(port), *kafka)

@@ -17,44 +17,23 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from bus.inprocess import InProcessBus
 from gateway.errors import ApiError
 from gateway.routes.lora import check_admin, under_root
 from schemas.messages import AdapterState
 from tests.processes import free_port, serving, wait_ready
-from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_MODEL
+from workers.bundled import BUNDLED_ADAPTERS
 
 MODEL = "tokenrelay-tiny"
 KEY = {"Authorization": "Bearer secret"}
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
-def _adapter(directory: Path, rank: int = 8) -> Path:
-    """An adapter of the bundled model in `directory`: the trained `shout` where it exists, else a random one of
-    the same shape (q, v, down), so that the API is tested while the bundled ones are being trained."""
-    if BUNDLED_ADAPTERS["shout"].is_dir():
-        shutil.copytree(BUNDLED_ADAPTERS["shout"], directory)
-        return directory
-    directory.mkdir(parents=True)
-    config = json.loads((BUNDLED_MODEL / "config.json").read_text())
-    hidden, dim = config["hidden_size"], config["head_dim"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    shapes = {"q_proj": ("self_attn", hidden, heads * dim), "v_proj": ("self_attn", hidden, kv * dim)}
-    shapes["down_proj"] = ("mlp", config["intermediate_size"], hidden)
-    rng = np.random.default_rng(0)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for module, (block, inputs, outputs) in shapes.items():
-            name = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{name}.lora_A.weight"] = rng.normal(0, 0.01, (rank, inputs)).astype(np.float32)
-            tensors[f"{name}.lora_B.weight"] = rng.normal(0, 0.01, (outputs, rank)).astype(np.float32)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    peft = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(shapes)}
-    (directory / "adapter_config.json").write_text(json.dumps(peft))
+def _adapter(directory: Path) -> Path:
+    """A copy of the bundled `shout` adapter in `directory`."""
+    shutil.copytree(BUNDLED_ADAPTERS["shout"], directory)
     return directory
 
 
