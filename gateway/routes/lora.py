@@ -36,7 +36,10 @@ router = APIRouter(tags=["LoRA adapters"])
 
 UNAUTHORIZED = "Unauthorized"
 FORBIDDEN = "Forbidden"
-_ADMIN_ERRORS = {**OPENAI_ERRORS, **{status: OPENAI_ERRORS[400] for status in (401, 403)}}
+# The answers are plain text (vLLM's) and the errors JSON: each status says its own media type.
+# (OpenAIError's schema is among the document's: the OpenAI routes answer with it.)
+_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}}
+_ADMIN_ERRORS = {status: _ERROR for status in (*OPENAI_ERRORS, 401, 403)}
 _NAME = r"^[^\x00-\x1f/]+$"  # a model name of its own, and half of the topic's key model/name
 
 
