@@ -128,6 +128,10 @@ class GenerationRequest(_Message):
     # directory; None: the base model.
     adapter: str | None = None
     adapter_path: str | None = None
+    # Set by the router on what it sends a worker: adapters in the worker's device slots that other workers of
+    # the model hold too. Should the worker have to load `adapter`, it takes one of their slots before any
+    # other's, so that no adapter loses its last copy while another has two (gateway/router.py).
+    evict_adapters_first: list[str] = []
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None
     chat_messages: list[ChatMessage] | None = None
@@ -346,6 +350,8 @@ class WorkerLoad(_Message):
     tensor_parallel_size: int = Field(default=1, ge=1)  # devices its model is split across
     adapters: list[str] = []  # the LoRA adapters in its device slots, most recently used first
     adapter_loads: int = 0  # adapters it has put into a device slot, since it started
+    adapter_slots: int = 0  # its device slots for adapters
+    idle_adapters: list[str] = []  # those of `adapters` that no running sequence computes under
 
 
 class StopClientRequest(_Message):

@@ -21,6 +21,7 @@ from schemas.adapters import AdapterError, LoraSupport, check_fits, read_adapter
 from tests.processes import TOKENRELAY, metric, serving
 from tests.test_engine import Harness, _tokens
 from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_MODEL
+from workers.engine.adapters import Adapters
 from workers.engine.config import EngineConfig
 from workers.engine.model_loader import load_model
 
@@ -130,7 +131,7 @@ def test_one_device_slot_serves_two_adapters_in_turn_and_counts_its_loads(loaded
         ]
         counts = harness.engine.adapters.counts
         assert counts.loads == counts.evictions + 1 >= 2
-        assert harness.engine.adapters.resident() in (["shout"], ["code"])
+        assert harness.engine.adapters.resident()[0] in (["shout"], ["code"])
     finally:
         harness.close()
 
@@ -231,3 +232,18 @@ def test_serve_refuses_to_start_with_an_adapter_it_cannot_serve(tmp_path):
     errors = [json.loads(line).get("error", "") for line in ended.stderr.splitlines() if line.startswith("{")]
     reason = f"--lora: adapter at {too_large}: its rank r=8 is above this model's limit 4 (--max-lora-rank)"
     assert reason in errors, errors  # the engine process's line; serve's own then says it exited
+
+
+def test_a_load_takes_a_free_slot_then_one_the_router_names_then_the_least_recently_used():
+    spec, written = read_adapter(BUNDLED_ADAPTERS["shout"], 64), []
+    adapters = Adapters(3, 8, lambda path: (spec, {}), lambda slot, adapter: written.append((slot, adapter.name)))
+    pinned = {name: adapters.pin(name, f"/{name}") for name in ("a", "b", "c", "d", "e")}
+    slots = [adapters.acquire(pinned[name], ("c",)) for name in ("a", "b", "c")]  # free slots first, in order
+    assert slots == [0, 1, 2] and adapters.resident() == (["c", "b", "a"], [])
+    adapters.release(slots[2])
+    assert adapters.resident() == (["c", "b", "a"], ["c"])
+    for slot in slots[:2]:
+        adapters.release(slot)
+    assert adapters.acquire(pinned["d"], ("c",)) == 2  # named: c, though a was used longer ago
+    assert adapters.acquire(pinned["e"], ("c",)) == 0  # c is held now: the least recently used, a
+    assert written[3:] == [(2, "d"), (0, "e")] and adapters.counts.evictions == 2

@@ -518,15 +518,16 @@ class Worker:
             **self._engine.prompt_stats(),
             "inbox_reads": dict(self._inbox_reads),
             "draining": self._draining,
-            "adapters": self._adapters_resident(),
+            **self._adapter_slots(),
             "adapter_loads": self._engine.adapters.counts.loads if self._engine.adapters is not None else 0,
         }
 
-    def _adapters_resident(self) -> list[str]:
-        """The adapters in the engine's device slots; its loads and evictions since the last call, counted."""
+    def _adapter_slots(self) -> dict:
+        """What the load reports say of the engine's device slots for adapters; its loads and evictions since
+        the last call, counted."""
         adapters = self._engine.adapters
         if adapters is None:
-            return []
+            return {}
         counts, seen = adapters.counts, self._adapter_counts_seen
         for name, loads in list(counts.by_name.items()):  # a copy in one go: the engine thread adds to it
             ADAPTER_LOADS.labels(self.model.name, name).inc(loads - seen.by_name.get(name, 0))
@@ -534,7 +535,8 @@ class Worker:
         evictions = counts.evictions
         ADAPTER_EVICTIONS.labels(self.model.name).inc(evictions - seen.evictions)
         seen.evictions = evictions
-        return adapters.resident()
+        resident, idle = adapters.resident()
+        return {"adapters": resident, "idle_adapters": idle, "adapter_slots": adapters.slots}
 
     def _served_adapters(self, adapters: dict[str, str]) -> dict:
         """What the heartbeats say of LoRA adapters: what the model takes of them, and those served."""
@@ -624,4 +626,5 @@ def engine_request(request: GenerationRequest) -> EngineRequest:
         prefixes=PromptPrefixes(tuple(prefix_hashes(request, data)), len(data), CHUNK_BYTES),
         adapter=request.adapter,
         adapter_path=request.adapter_path,
+        evict_adapters_first=tuple(request.evict_adapters_first),
     )

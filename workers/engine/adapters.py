@@ -7,7 +7,8 @@ directory (the gateway checked it); on admission its adapter is read into the
 host cache, or found there, and pinned until the request ends, so that
 scheduling never waits on a disk. The scheduler gives a sequence a device
 slot when it starts (the adapter's own, if another sequence of it holds one;
-else a free slot, else the least recently used one no running sequence holds)
+else a free slot, else one of those the router names as held by other
+workers too, else the least recently used one no running sequence holds)
 and takes it back when the sequence ends or is preempted. A sequence whose
 adapter finds no slot waits, while others go ahead. Unpinned adapters leave
 the host cache least recently used first once it is over its size.
@@ -109,10 +110,12 @@ class Adapters:
         """The highest rank among the adapters in device slots: a step computes with that many components."""
         return max((s.adapter.spec.rank for s in self._slots if s.adapter is not None), default=1)
 
-    def resident(self) -> list[str]:
-        """The adapters in device slots, most recently used first."""
-        slots = [self._slots[i].adapter for i in reversed(self._recent)]
-        return [a.name for a in slots if a is not None and self._host.get(a.name) is a]
+    def resident(self) -> tuple[list[str], list[str]]:
+        """The adapters in device slots, most recently used first, and those of them no running sequence holds
+        (called from another thread than the engine's: the order is copied in one go)."""
+        slots = [self._slots[i] for i in reversed(list(self._recent))]
+        served = [s for s in slots if s.adapter is not None and self._host.get(s.adapter.name) is s.adapter]
+        return [s.adapter.name for s in served], [s.adapter.name for s in served if s.holders == 0]
 
     def pin(self, name: str, path: str) -> HostAdapter:
         """Adapter `name` (from directory `path`), in the host cache until `unpin`; AdapterError if it cannot be
@@ -148,11 +151,15 @@ class Adapters:
         """Whether a sequence of `adapter` would get a device slot now."""
         return any(s.holders == 0 or s.adapter is adapter for s in self._slots)
 
-    def acquire(self, adapter: HostAdapter) -> int:
-        """A device slot holding `adapter`, for a sequence that starts; call can_acquire first."""
+    def acquire(self, adapter: HostAdapter, evict_first: tuple[str, ...] = ()) -> int:
+        """A device slot holding `adapter`, for a sequence that starts; call can_acquire first. Should `adapter`
+        have to be loaded, it goes into a free slot, else into one of `evict_first`'s, else into the least
+        recently used one that no running sequence holds."""
         index = next((i for i, s in enumerate(self._slots) if s.adapter is adapter), None)
         if index is None:
-            index = next(i for i in self._recent if self._slots[i].holders == 0)  # free or least recently used
+            unheld = [i for i in self._recent if self._slots[i].holders == 0]  # least recently used first
+            first = [i for i in unheld if self._slots[i].adapter is None or self._slots[i].adapter.name in evict_first]
+            index = (first or unheld)[0]
             slot = self._slots[index]
             if slot.adapter is not None:
                 self.counts.evictions += 1

@@ -47,3 +47,4 @@ class EngineRequest:
     prefixes: PromptPrefixes | None = None  # None: nobody asks which of its prefixes are cached
     adapter: str | None = None  # the LoRA adapter it is generated under (its name), or the base model (None)
     adapter_path: str | None = None  # that adapter's directory
+    evict_adapters_first: tuple[str, ...] = ()  # should it load its adapter: slots of these go first

@@ -217,7 +217,7 @@ class Scheduler:
         sequence.admitted_urgency = urgency
         self._blocks.allocate(sequence)
         if sequence.adapter is not None:
-            sequence.lora_slot = self._adapters.acquire(sequence.adapter)
+            sequence.lora_slot = self._adapters.acquire(sequence.adapter, sequence.request.evict_adapters_first)
         sequence.status = Status.RUNNING
         self.running.append(sequence)
         if sequence.admitted_at is None:
