@@ -98,8 +98,11 @@ class Dispatcher:
             if time.monotonic() - held_since < route.worth_waiting_s:
                 return _WAITING
             self._router.routed(route)  # before the await: requests dispatched meanwhile see it
+            sent = request
+            if route.evict_adapters_first:
+                sent = request.model_copy(update={"evict_adapters_first": list(route.evict_adapters_first)})
             try:
-                await self._bus.publish(route.inbox, request)
+                await self._bus.publish(route.inbox, sent)
             except UnknownTopic:
                 self._router.forget(route.worker_id)  # it left, and its inbox with it
                 continue

@@ -8,7 +8,7 @@ from bus.inprocess import InProcessBus
 from bus.prefixes import CHUNK_BYTES, prefix_hashes
 from gateway.dispatch import Dispatcher
 from gateway.inflight import InFlight
-from gateway.router import Router
+from gateway.router import ADAPTER_LOAD_TOKENS, Router
 from schemas.messages import ChatMessage, GenerationRequest, SamplingParams, WorkerLoad
 
 
@@ -220,3 +220,45 @@ def test_the_prefix_names_of_a_prompt_under_an_adapter_are_not_the_base_models()
     base, shout = prefix_hashes(_request(text=text)), prefix_hashes(_request(text=text, adapter="shout"))
     assert len(base) == len(shout) == 2 and not set(base) & set(shout)
     assert prefix_hashes(_request(text=text, adapter="shout")) == shout
+
+
+def test_a_load_goes_where_it_evicts_no_adapters_only_copy_and_names_the_slots_to_take():
+    router = Router("replies")
+    one_slot = {"adapter_slots": 1, "seconds_per_prompt_token": 0.001}
+    router.observe(_load("a", adapters=["shout"], idle_adapters=["shout"], **one_slot))
+    router.observe(_load("b", adapters=["code"], idle_adapters=["code"], **one_slot))
+    router.observe(_load("c", running=1, **one_slot))  # its slot is free
+    route = router.choose("m", 5, [], adapter="poem")
+    assert (route.worker_id, route.evict_adapters_first, route.worth_waiting_s) == ("c", (), 0.0)
+    # Where every slot holds an only copy, a load costs two; where one holds a copy that another worker has too,
+    # one: it goes there, and tells the worker which slot to take.
+    router.observe(_load("c", running=1, adapters=["code"], idle_adapters=["code"], **one_slot))
+    route = router.choose("m", 5, [], adapter="poem")
+    assert (route.worker_id, route.evict_adapters_first, route.worth_waiting_s) == ("b", ("code",), 0.0)
+    assert router.choose("m", 5, [], adapter="shout").worker_id == "a"  # where it is, at no load
+
+
+def test_a_request_waits_for_its_adapters_worker_as_long_as_the_load_is_priced():
+    router = Router("replies")
+    full = {"running": 5, "running_by_priority": [0, 0, 0, 0, 5]}  # capacity 4 and read-ahead 1
+    router.observe(_load("a", adapters=["shout"], adapter_slots=1, seconds_per_prompt_token=0.001, **full))
+    router.observe(_load("b", adapters=["code"], idle_adapters=["code"], adapter_slots=2))
+    route = router.choose("m", 5, [], adapter="shout")  # b's free slot: one load's worth of a's time
+    assert route.worker_id == "b" and route.worth_waiting_s == ADAPTER_LOAD_TOKENS * 0.001
+    router.observe(_load("b", adapters=["code", "poem"], idle_adapters=["code", "poem"], adapter_slots=2))
+    route = router.choose("m", 5, [], adapter="shout")  # an only copy evicted: two loads' worth
+    assert route.worker_id == "b" and route.worth_waiting_s == 2 * ADAPTER_LOAD_TOKENS * 0.001
+    assert router.choose("m", 5, [], adapter="shout", avoid="a").worth_waiting_s == 0  # it broke off there
+
+
+async def test_the_dispatcher_sends_the_router_s_slots_to_take_with_the_request():
+    bus = InProcessBus()
+    router = Router("replies")
+    one_slot = {"adapter_slots": 1}
+    router.observe(_load("a", adapters=["shout"], idle_adapters=["shout"], **one_slot))
+    router.observe(_load("b", adapters=["shout"], idle_adapters=["shout"], **one_slot))
+    await bus.create_topics({"inbox.a": 1})
+    inbox = await _received(bus, "inbox.a")
+    await Dispatcher(bus, router, "t").dispatch(InFlight(_request(request_id="poem", adapter="poem"), "c"))
+    message = await asyncio.wait_for(anext(aiter(inbox)), 2)
+    assert message.request_id == "poem" and message.evict_adapters_first == ["shout"]

@@ -1,4 +1,4 @@
-"""Routing on a real Kafka broker with real workers (the bundled model): cache, room, and stopInfer anywhere."""
+"""Routing on a real Kafka broker with real workers: cache, room, LoRA adapters' placement, stopInfer anywhere."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 import httpx
 import pytest
 
-from tests.processes import free_port, metric, wait_ready
+from tests.processes import SIMULATED, free_port, metric, wait_ready
+from workers.bundled import BUNDLED_ADAPTERS
 
 pytestmark = pytest.mark.kafka
 
@@ -64,6 +65,57 @@ async def test_a_next_turn_lands_on_the_worker_holding_the_conversation_and_a_re
         assert not long.done()
         busy = _routed_to(gateway, (await long)["id"])
         assert _routed_to(gateway, short["id"]) != busy
+
+
+async def test_an_adapters_requests_go_where_it_is_resident_until_it_is_busy_then_spill(
+    kafka_bootstrap, topic_prefix, spawn
+):
+    """Two workers of one device slot each, two adapters. The first request of `shout` loads it on one worker;
+    `code` then goes to the other, whose slot is free, rather than evict shout's only copy; each adapter's next
+    requests go to its own worker (so neither loads again), until more shout requests come than its worker has
+    room for: they wait for it as long as a load is worth, then spill onto the other worker, which loads shout.
+    The workers are simulated (the real worker and engine, device slots included, around step times)."""
+    kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
+    lora = [f"--lora=shout={BUNDLED_ADAPTERS['shout']}", f"--lora=code={BUNDLED_ADAPTERS['code']}", "--max-loras=1"]
+    worker = ("worker", *kafka, *SIMULATED, *lora, "--max-batch-size", "2")
+    workers = [spawn(*worker, "--worker-id", f"w{i}") for i in range(2)]
+    port = free_port()
+    gateway = spawn("gateway", "--port", str(port), *kafka)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, MODEL, [*workers, gateway])
+    await asyncio.sleep(1.5)  # both workers' load reports
+
+    async def generate(adapter: str, seed: int, tokens: int) -> str:
+        """The worker the request was routed to."""
+        body = {"text_input": SYSTEM, "parameters": {"max_new_tokens": tokens, "seed": seed + 1, "do_sample": True}}
+        response = await client.post(f"{base}/v2/models/{adapter}/generate", json=body)
+        assert response.status_code == 200, response.text
+        return _routed_to(gateway, response.json()["id"])
+
+    def loads() -> dict[tuple[str, str], int]:
+        """(worker, adapter) -> the adapter's loads into that worker's device slot, so far."""
+        counted: dict[tuple[str, str], int] = {}
+        for process in workers:
+            for event in process.events_named("adapter_loaded"):
+                key = (event["worker_id"], event["adapter"])
+                counted[key] = counted.get(key, 0) + 1
+        return counted
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        shout_worker = await generate("shout", 0, 4)
+        await asyncio.sleep(0.5)  # its report: shout is resident there
+        code_worker = await generate("code", 1, 4)
+        assert code_worker != shout_worker  # a free slot rather than the slot of shout's only copy
+        await asyncio.sleep(0.5)
+        for seed in range(2, 8):  # one at a time: each goes where its adapter is, though both workers are idle
+            assert await generate(("shout", "code")[seed % 2], seed, 4) == (shout_worker, code_worker)[seed % 2]
+        assert loads() == {(shout_worker, "shout"): 1, (code_worker, "code"): 1}
+
+        # More shout requests at once than its worker has room for (2 running, 1 read ahead): the rest spill.
+        burst = await asyncio.gather(*(generate("shout", 100 + i, 300) for i in range(8)))
+        assert set(burst) == {shout_worker, code_worker}, burst
+        assert burst.count(shout_worker) >= 3, burst
+        assert loads()[code_worker, "shout"] == 1, loads()
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, events: list[dict]) -> None:
