@@ -140,6 +140,12 @@ class Dispatcher:
                 except (BusUnavailable, UnknownTopic) as error:
                     log.warning("held_request_not_published", **inflight.request.log_ids(), error=str(error))
                     break
+                request = inflight.request
+                if outcome == _NO_ROOM and request.adapter is not None and self._router.has_room(request):
+                    # Its room was narrower than others' (a worker that must load its adapter reads none
+                    # ahead, router.py): those after it may have some. Its wait counts from when it has room.
+                    self._held[inflight] = time.monotonic()
+                    continue
                 if outcome == _NO_ROOM:
                     # No room for the most urgent held, none for the less urgent either; the wait for
                     # a worker with the prompt cached counts only from when another has room.

@@ -18,14 +18,17 @@ run. A request of a LoRA adapter costs more on a worker that would have to
 load it into a device slot (its report lists the adapters it holds), and
 twice that where the slot it would take holds the only copy of another
 adapter among the model's workers (whose next request would then load it
-again): so an adapter's requests go where it is resident while those
+again). So an adapter's requests go where it is resident while those
 workers have room, and wait for them as long as computing the load's price
-would take, then spread; and a load goes where it evicts an adapter that
-another worker holds too, which the request names to the worker. Each
-worker then keeps a few adapters, and each adapter few workers. With no
-worker that has room, the request waits in the gateway (dispatch.py). A
-route is a hint: a stale one costs latency, never a request, since whatever
-a worker holds is failed over if it dies.
+would take, then spread; a load goes where it evicts an adapter that
+another worker holds too, which the request names to the worker; and a
+worker reads no request ahead that it would have to load an adapter for:
+which of its slots frees, and so what a load would evict, and whether a
+worker holding the adapter frees one first, is known only from the report
+after it frees. Each worker then keeps a few adapters, and each adapter few
+workers. With no worker that has room, the request waits in the gateway
+(dispatch.py). A route is a hint: a stale one costs latency, never a
+request, since whatever a worker holds is failed over if it dies.
 """
 
 from __future__ import annotations
@@ -35,17 +38,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from bus.prefixes import CHUNK_BYTES
-from schemas.messages import WorkerLoad
+from schemas.messages import GenerationRequest, WorkerLoad
 
 PREFILL_WEIGHT = 16.0  # Dynamo's overlap_score_weight: a prompt token to compute against a token held in cache
 BYTES_PER_TOKEN = 4  # to turn the prefix names' bytes into tokens
 STALE_AFTER_REPORTS = 3  # a worker whose report is older than this many intervals gets no route
-# Loading an adapter into a device slot, in the cost's units: as much as computing 1,024 prompt tokens, far
+# Loading an adapter into a device slot, in the cost's units: as much as computing 512 prompt tokens, far
 # more than its copy takes. A weight like PREFILL_WEIGHT, it trades a request's wait for its adapter's worker
-# against loads (and the evictions they cause), and was set by `tokenrelay bench scale --adapters 32` (32
-# adapters on 8 workers of 4 slots, saturated): at 512 the router loads 2.2-2.6x less than adapter-blind
-# placement, at 1,024 3.2-4.1x at 10% more TTFT p99, at 2,048 14-17x at 65% more TTFT p99 and 5% less throughput.
-ADAPTER_LOAD_TOKENS = 1024
+# against loads and the evictions they cause: `tokenrelay bench scale --adapters 32` (32 adapters on 8
+# workers of 4 slots, saturated) measured 5x fewer loads than adapter-blind placement at 512, 10-13x at
+# 1,024, for 10% more TTFT p99.
+ADAPTER_LOAD_TOKENS = 512
 
 
 def _adapter_load(load: WorkerLoad, copies: Counter[str]) -> tuple[int, list[str]]:
@@ -76,8 +79,11 @@ class _WorkerView:
         """Routed by this gateway, and not in its report yet (a report sent before it read them shows none)."""
         return max(0, self.routed - self.read)
 
-    def room(self, priority: int) -> int:
-        free = self.load.capacity + read_ahead(self.load.capacity) - self.load.running - self.load.waiting - self.unread
+    def room(self, priority: int, ahead: bool = True) -> int:
+        """Requests of `priority` it would take now: free slots and, with `ahead`, its read-ahead; else the running
+        requests it would preempt."""
+        ahead_of_slots = read_ahead(self.load.capacity) if ahead else 0
+        free = self.load.capacity + ahead_of_slots - self.load.running - self.load.waiting - self.unread
         if free > 0:
             return free
         return sum(self.load.running_by_priority[priority:])  # running ones it would preempt
@@ -135,6 +141,13 @@ class Router:
         """Whether some worker of the model reports its load (else requests go to the shared queue)."""
         return any(view.load.model == model and self._fresh(view) for view in self._workers.values())
 
+    def has_room(self, request: GenerationRequest) -> bool:
+        """Whether some worker of the request's model has room for a request of its priority that needs no load."""
+        return any(
+            view.load.model == request.model and self._fresh(view) and view.room(request.priority) > 0
+            for view in self._workers.values()
+        )
+
     def _fresh(self, view: _WorkerView) -> bool:
         return time.monotonic() - view.heard_at <= STALE_AFTER_REPORTS * view.load.interval_s
 
@@ -161,7 +174,7 @@ class Router:
                 load_tokens, evict_first = _adapter_load(load, copies)
             if load_tokens < least_load and load.worker_id != avoid:
                 least_load, least_load_view = load_tokens, view
-            if view.room(priority) <= 0:
+            if view.room(priority, ahead=not load_tokens) <= 0:  # no read-ahead for a load (see above)
                 continue
             uncached = len(hashes) * CHUNK_BYTES // BYTES_PER_TOKEN - cached
             cost = PREFILL_WEIGHT * (uncached + load_tokens) + view.busy_tokens()

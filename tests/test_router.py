@@ -262,3 +262,33 @@ async def test_the_dispatcher_sends_the_router_s_slots_to_take_with_the_request(
     await Dispatcher(bus, router, "t").dispatch(InFlight(_request(request_id="poem", adapter="poem"), "c"))
     message = await asyncio.wait_for(anext(aiter(inbox)), 2)
     assert message.request_id == "poem" and message.evict_adapters_first == ["shout"]
+
+
+def test_a_worker_reads_ahead_only_requests_it_needs_no_load_for():
+    router = Router("replies")
+    router.observe(_load("a", running=4, adapters=["shout"], adapter_slots=4))  # its slots full, read-ahead free
+    assert router.choose("m", 5, [], adapter="shout").worker_id == "a"
+    assert router.choose("m", 5, []).worker_id == "a"
+    assert router.choose("m", 5, [], adapter="code") is None  # which slot frees, and what it evicts, is not known
+
+
+async def test_a_held_adapter_request_with_no_room_does_not_hold_back_those_after_it():
+    bus = InProcessBus()
+    await bus.create_topics({"inbox.a": 1})
+    router = Router("replies")
+    dispatcher = Dispatcher(bus, router, "t")
+    running = asyncio.create_task(dispatcher.run())
+    try:
+        router.observe(_load("a", running=5, adapters=["shout"], adapter_slots=4))  # read ahead already
+        first = InFlight(_request(request_id="code", adapter="code"), "c1")
+        second = InFlight(_request(request_id="shout", adapter="shout"), "c2")
+        for held in (first, second):
+            await dispatcher.dispatch(held)
+        inbox = await _received(bus, "inbox.a")
+        router.observe(_load("a", running=4, adapters=["shout"], adapter_slots=4))  # read it: room ahead again
+        dispatcher.room_may_have_changed()
+        message = await asyncio.wait_for(anext(aiter(inbox)), 2)
+        assert message.request_id == "shout" and second.worker_id == "a" and first.worker_id is None
+        assert dispatcher.release(first) and not dispatcher.release(second)
+    finally:
+        running.cancel()
