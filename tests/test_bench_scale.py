@@ -17,6 +17,7 @@ def test_the_scale_bench_reports_every_worker_count_and_each_placement_of_a_chat
 ):
     plot = tmp_path / "scale.png"
     quick = ["--duration", "2", "--warmup", "0.5", "--gateways", "1", "--slowdown", "1", "--chat-slowdown", "1"]
+    quick += ["--adapter-slowdown", "1"]
     quick += ["--conversations", "4", "--turns", "2", "--chat-workers", "2"]
     quick += ["--adapters", "6", "--adapter-workers", "2", "--max-loras", "2"]
     run = subprocess.run(

@@ -23,7 +23,8 @@ shared request topics (adapter-blind): adapter loads per 1,000 requests and
 TTFT of each. An adapter's load takes the profile's `adapter_load_s`.
 
 The profile's step times are multiplied by `--slowdown` (the chat's by
-`--chat-slowdown`) so that the fleet's tokens fit through one machine's
+`--chat-slowdown`, the adapters' by `--adapter-slowdown`: less, so that
+their window holds some 300 requests, long after the first loads) so that the fleet's tokens fit through one machine's
 broker, gateways and clients (here: about 1,300 tokens/s in all, streamed);
 efficiency is a ratio, and a uniform slowdown leaves it as it is. The CPU
 cores each process used are printed, to tell a dispatch limit from the
@@ -306,7 +307,7 @@ def _adapters(args: argparse.Namespace, bootstrap: str, profile: Profile, logs: 
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
     names = [f"lora{i}" for i in range(args.adapters)]
     lora = ["--lora", *(f"{name}={adapter}" for name in names), "--max-loras", str(args.max_loras)]
-    path = _slowed(profile, args.slowdown, args.kv_tokens, logs / "adapters.json")
+    path = _slowed(profile, args.adapter_slowdown, args.kv_tokens, logs / "adapters.json")
     results = {}
     for name, route in (("router", True), ("shared_queue", False)):
         workers = args.adapter_workers
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapters", type=int, default=0, help="LoRA adapters of the adapter load; 0: none")
     parser.add_argument("--adapter-workers", type=int, default=8, help="workers of the adapter load")
     parser.add_argument("--max-loras", type=int, default=4, help="device slots of each worker of the adapter load")
+    parser.add_argument("--adapter-slowdown", type=float, default=15.0, help="the same, for the adapter load")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker from deploy/kafka/")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
