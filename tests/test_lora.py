@@ -24,6 +24,7 @@ from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_MODEL
 from workers.engine.adapters import Adapters
 from workers.engine.config import EngineConfig
 from workers.engine.model_loader import load_model
+from workers.engine.models.lora import LoraPool, LoraRows
 
 PROMPTS = ["The meaning of life is", "Hello, my name is", "Python is a programming language that", "def main("]
 SHOUT, CODE = (str(BUNDLED_ADAPTERS[name]) for name in ("shout", "code"))
@@ -247,3 +248,29 @@ def test_a_load_takes_a_free_slot_then_one_the_router_names_then_the_least_recen
     assert adapters.acquire(pinned["d"], ("c",)) == 2  # named: c, though a was used longer ago
     assert adapters.acquire(pinned["e"], ("c",)) == 0  # c is held now: the least recently used, a
     assert written[3:] == [(2, "d"), (0, "e")] and adapters.counts.evictions == 2
+
+
+@pytest.mark.parametrize(("adapted", "base"), [(1, 3), (2, 1), (6, 2)])
+def test_a_pools_products_on_the_cpu_equal_each_rows_own_adapters(adapted, base):
+    """Each CPU path of LoraPool.add (one adapter of some rows; several, masked, its stacked matrices copied or
+    the pools' own) against each row's x·Aᵀ·Bᵀ under its own slot, in float64; rows of no slot keep y as is.
+    Each slot's adapter is distinct and as large as y, so a row given another's (or none) is far off."""
+    generator = torch.Generator().manual_seed(3)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=generator, dtype=torch.float64)
+
+    pool = LoraPool(4, 8, 24, {"q": (0, 16), "k": (16, 8)}, "cpu", torch.float64)
+    for slot in range(4):
+        weights = {name: (randn(8, 24), randn(rows, 8)) for name, rows in (("q", 16), ("k", 8))}
+        pool.write(slot, weights, scaling=0.5)
+    slots = [slot % (4 if adapted > 1 else 1) + (adapted == 1) for slot in range(adapted)] + [-1] * base
+    slots = torch.tensor(slots)[torch.randperm(len(slots), generator=generator)]
+    x, y = randn(len(slots), 24), randn(len(slots), 24)
+    expected = y.clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[row] += (x[row] @ pool.a[slot].T) @ pool.b[slot]
+    pool.add(y, x, LoraRows(slots, 8, 4))
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(y[slots < 0], expected[slots < 0])

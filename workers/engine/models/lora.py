@@ -6,10 +6,13 @@ whole step at once, every row's x·Aᵀ·Bᵀ under the adapter of its sequence
 (the slot it holds in the pool). In torch on the CPU: with one adapter in
 the step, its product pair for its rows; with several, every row's products
 under each adapter present, those of the others masked to exact zeros (two
-large products cost less than two small ones per adapter, on a small
-model). On a GPU two Triton kernels over the rows grouped by slot
-(triton_lora.py), the same launches whatever the mix, so that decode graphs
-capture them with the rows' slots as a static input.
+large products cost less than two small ones per adapter, on a small model:
+rows sorted by adapter, each adapter's pair on its own rows, is less work,
+but its products' shapes change every step, and a new shape costs the CPU
+kernels more than the work saved), with the adapters' matrices stacked once
+per mix of adapters, not per step. On a GPU two Triton kernels over the
+rows grouped by slot (triton_lora.py), the same launches whatever the mix,
+so that decode graphs capture them with the rows' slots as a static input.
 
 A projection's pool holds `slots` adapters of rank up to R for each of its
 parts (q, k and v of the fused QKV; gate and up): A [slots, R·P, inputs],
@@ -23,6 +26,8 @@ only: a view, not a copy.
 from __future__ import annotations
 
 import torch
+
+_STACKED_MIXES = 8  # a pool's stacked copies kept at most (see LoraPool._stacked)
 
 
 class LoraRows:
@@ -44,13 +49,13 @@ class LoraRows:
                 by_slot.setdefault(slot, []).append(row)
         every = len(by_slot) == 1 and len(next(iter(by_slot.values()))) == slots.numel()
         self.groups = [(slot, None if every else torch.tensor(rows)) for slot, rows in by_slot.items()]
-        self.present = torch.tensor(list(by_slot))  # the slots the step's rows compute under
+        self.present = tuple(sorted(by_slot))  # the slots the step's rows compute under
         self._masks: dict[torch.dtype, torch.Tensor] = {}
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[rows, present slots]: 1 where the row computes under that slot, else 0."""
         if dtype not in self._masks:
-            self._masks[dtype] = (self.slots[:, None] == self.present[None, :]).to(dtype)
+            self._masks[dtype] = (self.slots[:, None] == torch.tensor(self.present)[None, :]).to(dtype)
         return self._masks[dtype]
 
     def select(self, kept: torch.Tensor) -> LoraRows:
@@ -69,6 +74,9 @@ class LoraPool:
         width = rank * len(parts)
         self.a = torch.zeros(slots, width, inputs, device=device, dtype=dtype)
         self.b = torch.zeros(slots, width, sum(rows for _, rows in parts.values()), device=device, dtype=dtype)
+        # On the CPU, (present slots, rank) -> their A and Bᵀ stacked [present·R·P, inputs or outputs]: a step
+        # mixing adapters computes with them, and the next steps mostly mix the same ones.
+        self._stacked: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
         """Fill `slot` with an adapter's A [r, inputs] and B [rows, r] per part it targets; zeros elsewhere."""
@@ -77,6 +85,7 @@ class LoraPool:
         b = self.b[slot].view(self.max_rank, count, -1)
         a.zero_()
         b.zero_()
+        self._stacked.clear()
         for index, (name, (first, rows)) in enumerate(self.parts.items()):
             if name in weights:
                 lora_a, lora_b = weights[name]
@@ -99,9 +108,22 @@ class LoraPool:
             else:
                 y.index_add_(0, index, (x[index] @ a[slot].T) @ b[slot])
         elif rows.groups:  # every present slot's products for every row, the others' masked to exact zeros
-            present = rows.present
-            shrunk = x @ a.index_select(0, present).view(-1, x.shape[1]).T
-            shrunk = (shrunk.view(x.shape[0], len(present), width) * rows.mask(x.dtype)[:, :, None]).view(
-                x.shape[0], -1
-            )
-            y.addmm_(shrunk, b.index_select(0, present).view(-1, y.shape[1]))
+            stacked_a, stacked_b = self._stacked_for(rows.present, rows.rank)
+            shrunk = (x @ stacked_a.T).view(x.shape[0], len(rows.present), width) * rows.mask(x.dtype)[:, :, None]
+            y.addmm_(shrunk.view(x.shape[0], -1), stacked_b)
+
+    def _stacked_for(self, present: tuple[int, ...], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots `present`'s A and Bᵀ at `rank`, each stacked into one matrix: copied once per mix, or
+        views of the pools where the mix is every slot at the pools' rank."""
+        key = (present, rank)
+        if key not in self._stacked:
+            width = rank * len(self.parts)
+            if len(self._stacked) >= _STACKED_MIXES:
+                self._stacked.clear()
+            if present == tuple(range(self.a.shape[0])) and rank == self.max_rank:
+                a, b = self.a, self.b
+            else:
+                index = torch.tensor(present, device=self.a.device)
+                a, b = self.a[:, :width].index_select(0, index), self.b[:, :width].index_select(0, index)
+            self._stacked[key] = (a.reshape(-1, a.shape[2]), b.reshape(-1, b.shape[2]))
+        return self._stacked[key]
