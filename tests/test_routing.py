@@ -103,10 +103,10 @@ async def test_an_adapters_requests_go_where_it_is_resident_until_it_is_busy_the
 
     async with httpx.AsyncClient(timeout=60) as client:
         shout_worker = await generate("shout", 0, 4)
-        await asyncio.sleep(0.5)  # its report: shout is resident there
+        await asyncio.sleep(1.0)  # its report (shout resident there) reaches the gateway: 0.1 s when idle
         code_worker = await generate("code", 1, 4)
         assert code_worker != shout_worker  # a free slot rather than the slot of shout's only copy
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
         for seed in range(2, 8):  # one at a time: each goes where its adapter is, though both workers are idle
             assert await generate(("shout", "code")[seed % 2], seed, 4) == (shout_worker, code_worker)[seed % 2]
         assert loads() == {(shout_worker, "shout"): 1, (code_worker, "code"): 1}
