@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import structlog
 from prometheus_client import Gauge
@@ -29,6 +30,7 @@ from bus.base import Bus, BusUnavailable, UnknownTopic
 from bus.topics import request_topic
 from gateway.inflight import InFlight
 from gateway.router import Router
+from schemas.messages import GenerationRequest
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +51,16 @@ class Dispatcher:
         self._aging_s = aging_s
         # -> since when another worker than the one holding its prompt had room (time.monotonic())
         self._held: dict[InFlight, float] = {}
+        self._held_by_model: Counter[str] = Counter()
         self._wake = asyncio.Event()
+
+    def queue_ahead(self, request: GenerationRequest) -> int:
+        """Requests of its model that `request` would wait behind: none where a worker has room for it now (a
+        free slot, read-ahead, or a running request of a lower priority to preempt), else those held here and
+        those routed to workers and not started. Without routing, none: the shared topics' backlog is unseen."""
+        if self._router is None or self._router.has_room(request):
+            return 0
+        return self._held_by_model[request.model] + self._router.waiting(request.model)
 
     def room_may_have_changed(self) -> None:
         """A load report came: try the held requests again."""
@@ -63,6 +74,7 @@ class Dispatcher:
         """
         if await self._send(inflight, time.monotonic()) != _SENT:
             self._held[inflight] = time.monotonic()
+            self._held_by_model[inflight.request.model] += 1
             HELD.labels(inflight.request.model).inc()
             log.info("request_held", **inflight.request.log_ids(), held=len(self._held))
             self._wake.set()  # a wait for a cache ends by the clock, not by a report
@@ -71,6 +83,7 @@ class Dispatcher:
         """Stop holding the request (it ended here); whether it was held."""
         if self._held.pop(inflight, None) is None:
             return False
+        self._held_by_model[inflight.request.model] -= 1
         HELD.labels(inflight.request.model).dec()
         return True
 

@@ -148,6 +148,14 @@ class Router:
             for view in self._workers.values()
         )
 
+    def waiting(self, model: str) -> int:
+        """Requests routed to the model's workers and not started: unread in their inboxes, or read and waiting."""
+        return sum(
+            view.load.waiting + view.unread
+            for view in self._workers.values()
+            if view.load.model == model and self._fresh(view)
+        )
+
     def _fresh(self, view: _WorkerView) -> bool:
         return time.monotonic() - view.heard_at <= STALE_AFTER_REPORTS * view.load.interval_s
 

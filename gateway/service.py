@@ -326,13 +326,20 @@ class GatewayService:
             )
         self._check_size(request)
         if len(self.inflight) >= self._settings.max_in_flight:
-            self._metrics.failed(model.name, TOO_MANY_REQUESTS)
-            log.warning("request_refused", reason="in-flight limit", in_flight=len(self.inflight))
-            raise ApiError(
-                429,
-                TOO_MANY_REQUESTS,
+            raise self._refused(
+                model,
                 f"this gateway already has {len(self.inflight)} requests in flight, its limit (--max-in-flight)",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                reason="in-flight limit",
+                in_flight=len(self.inflight),
+            )
+        limit = self._settings.max_waiting_requests
+        if limit and (ahead := self._dispatcher.queue_ahead(request)) >= limit:
+            raise self._refused(
+                model,
+                f"model {model.name} already has {ahead} requests waiting for a worker, its limit "
+                "(--max-waiting-requests)",
+                reason="waiting limit",
+                waiting=ahead,
             )
         inflight = self.inflight.open(request, client_id or request.request_id)
         try:
@@ -343,6 +350,12 @@ class GatewayService:
             log.warning("publish_failed", error=str(error))
             raise unavailable(f"the message bus cannot take the request now: {error}") from error
         return inflight
+
+    def _refused(self, model: ServedModel, message: str, reason: str, **counts: int) -> ApiError:
+        """A 429 with Retry-After for a request past an admission limit, counted and logged."""
+        self._metrics.failed(model.name, TOO_MANY_REQUESTS)
+        log.warning("request_refused", reason=reason, **counts)
+        return ApiError(429, TOO_MANY_REQUESTS, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def stop_requests(self, model_name: str, client_id: str) -> bool:
         """stopInfer: cancel the running requests of that client id, here or on another gateway.

@@ -23,6 +23,9 @@ class GatewaySettings:
     default_model: str = ""  # what /infer_token and /infer serve; empty: the only model served
     full_text: bool = False  # MindIE's fullTextEnabled: stream events carry the text so far
     max_in_flight: int = 4096  # requests waiting for their last event; beyond: 429
+    # Requests of a model waiting for a worker, as this gateway sees them, past which one that would wait too
+    # gets 429 at once (dispatch.py's queue_ahead); 0: no bound.
+    max_waiting_requests: int = 0
     route: bool = True  # pick each request's worker (router.py); False: the shared queue decides
     # Bearer keys that may load and unload LoRA adapters at run time (routes/lora.py); none: refused.
     admin_api_keys: tuple[str, ...] = ()

@@ -200,6 +200,35 @@ async def test_past_its_in_flight_limit_a_gateway_answers_429_with_retry_after(k
     assert accepted.status_code == 200
 
 
+async def test_past_the_waiting_limit_a_request_no_worker_has_room_for_gets_429_at_once(kafka_bootstrap, tmp_path):
+    """One slot: a stream runs, a second waits at the worker (read ahead); with --max-waiting-requests 1, a third
+    request of the same priority is refused at once, one urgent enough to preempt is taken, and once the
+    streams end a request is taken again."""
+    worker_args = (*SIMULATED, "--max-batch-size", "1")
+    gateway_args = ("--max-waiting-requests", "1")
+    with on_kafka(tmp_path, kafka_bootstrap, worker_args=worker_args, gateway_args=gateway_args) as (gateway, _):
+        stream_url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
+        async with _client() as client:
+            running, waiting = _Stream(), _Stream()  # 500 tokens: seconds, at a simulated step's few ms
+            streams = [asyncio.create_task(running.run(client, stream_url, _body(500)))]
+            while not running.event_times:
+                await asyncio.sleep(0.05)
+            streams.append(asyncio.create_task(waiting.run(client, stream_url, _body(500))))
+            while not gateway.process.events_named("request_routed")[1:]:
+                await asyncio.sleep(0.05)
+            refused = await client.post(gateway.url(f"/v2/models/{MODEL}/generate"), json=_body(4))
+            urgent = await client.post(gateway.url(f"/v2/models/{MODEL}/generate"), json=_body(4, priority=1))
+            await asyncio.gather(*streams)
+            accepted = await client.post(gateway.url(f"/v2/models/{MODEL}/generate"), json=_body(4))
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json() == {
+        "error": f"model {MODEL} already has 1 requests waiting for a worker, its limit (--max-waiting-requests)",
+        "error_type": "Too Many Requests",
+    }
+    assert urgent.status_code == 200 and accepted.status_code == 200, (urgent.text, accepted.text)
+    assert len(running.events) == len(waiting.events) == 500
+
+
 async def test_a_gateway_that_dies_mid_stream_frees_the_workers_slots_within_10_s(kafka_bootstrap, tmp_path):
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", f"t{uuid.uuid4().hex[:10]}"]
     port = free_port()

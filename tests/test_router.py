@@ -34,7 +34,7 @@ def _load(worker: str, running: int = 0, capacity: int = 4, prefixes=(), **field
 def _request(text: str = "x", priority: int = 5, **fields) -> GenerationRequest:
     return GenerationRequest(
         request_id=fields.pop("request_id", "r"),
-        model="m",
+        model=fields.pop("model", "m"),
         prompt_text=text,
         sampling=SamplingParams(seed=1),
         priority=priority,
@@ -292,3 +292,22 @@ async def test_a_held_adapter_request_with_no_room_does_not_hold_back_those_afte
         assert dispatcher.release(first) and not dispatcher.release(second)
     finally:
         running.cancel()
+
+
+async def test_a_request_waits_behind_the_held_and_the_routed_not_started_unless_a_worker_has_room_for_it():
+    bus = InProcessBus()
+    await bus.create_topics({"inbox.a": 1, "inbox.b": 1})
+    router = Router("replies")
+    dispatcher = Dispatcher(bus, router, "t")
+    router.observe(_load("a", running=4, waiting=1))  # full, its read-ahead taken
+    router.observe(_load("b", running=3))
+    assert dispatcher.queue_ahead(_request()) == 0  # b has a free slot
+    await dispatcher.dispatch(InFlight(_request(request_id="to-b"), "c"))  # routed, not read yet
+    assert router.waiting("m") == 1 + 1 and dispatcher.queue_ahead(_request()) == 0  # b's read-ahead
+    await dispatcher.dispatch(InFlight(_request(request_id="to-b-ahead"), "c"))
+    for held in ("h1", "h2"):
+        await dispatcher.dispatch(InFlight(_request(request_id=held), "c"))  # no room: held here
+    assert dispatcher.queue_ahead(_request()) == 2 + (1 + 2)  # held here, waiting at a, unread at b
+    assert dispatcher.queue_ahead(_request(priority=1)) == 0  # it would preempt a priority-5 request
+    assert dispatcher.queue_ahead(_request(model="other")) == 0  # no worker of it reports: the shared queue
+    assert Dispatcher(bus, None, "t").queue_ahead(_request()) == 0  # no routing: the backlog is not seen

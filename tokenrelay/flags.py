@@ -126,6 +126,14 @@ def _gateway_options(parser: _Parser) -> None:
     )
     _option(
         parser,
+        "--max-waiting-requests",
+        type=int,
+        default=0,
+        help="requests of a model waiting for a worker (held here, or sent to a worker and not started), "
+        "past which a new one that no worker has room for gets 429 with Retry-After at once; 0: no bound",
+    )
+    _option(
+        parser,
         "--media-dir",
         default="/data/multimodal_inputs",
         help="the only directory multimodal input may read local files from",

@@ -123,6 +123,7 @@ def _gateway(args: argparse.Namespace) -> GatewaySettings:
         default_model=args.default_model,
         full_text=args.full_text_enabled,
         max_in_flight=args.max_in_flight,
+        max_waiting_requests=args.max_waiting_requests,
         route=not args.no_router,
         admin_api_keys=tuple(key.strip() for key in args.admin_api_keys if key.strip()),
         lora_root=_lora_root(args.lora_root),
