@@ -76,6 +76,7 @@ def test_help_names_the_environment_variable(capsys):
         ("TOKENRELAY_DTYPE", "bf16", "argument --dtype: invalid choice: 'bf16'"),
         ("TOKENRELAY_MAX_BATCH_SIZE", "many", "argument --max-batch-size: invalid int value: 'many'"),
         ("TOKENRELAY_GPU_MEMORY_FRACTION", "1.5", "argument --gpu-memory-fraction: 1.5 is not in (0, 1]"),
+        ("TOKENRELAY_MAX_WAITING_REQUESTS", "-1", "argument --max-waiting-requests: -1 is below 0"),
         ("TOKENRELAY_LOG_LEVEL", "loud", "argument --log-level: invalid choice: 'loud'"),
     ],
 )

@@ -127,7 +127,7 @@ def _gateway_options(parser: _Parser) -> None:
     _option(
         parser,
         "--max-waiting-requests",
-        type=int,
+        type=_at_least_zero,
         default=0,
         help="requests of a model waiting for a worker (held here, or sent to a worker and not started), "
         "past which a new one that no worker has room for gets 429 with Retry-After at once; 0: no bound",
@@ -178,6 +178,13 @@ def _parallel_size(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 64:
         raise argparse.ArgumentTypeError(f"{value} is not in [1, 64]")
+    return value
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is below 0")
     return value
 
 
