@@ -70,7 +70,7 @@ def _sample(command: str, action: argparse.Action) -> list[str]:
         return [f"other-{TLS[flag]}"]
     if action.choices:
         return [next(c for c in action.choices if c and c != action.default)]
-    if action.type is int:
+    if type(action.default) is int:  # int, or a type of ours that returns one (a bounded count)
         return [str(action.default + 1)]
     if action.type is not None:  # a float, or a fraction of (0, 1]
         return [str(action.default / 2 if action.default else 0.5)]
