@@ -159,11 +159,11 @@ class Bus(ABC):
     max_message_bytes: int | None = None  # the largest message it carries (encoded); None: no limit
     where = "the in-process bus"  # what it is, in an error that blames it (Kafka: its brokers' addresses)
 
-    async def publish_or_log(self, topic: str, message: BusMessage, event: str) -> bool:
+    async def publish_or_log(self, topic: str, message: BusMessage, event: str, key: str | None = None) -> bool:
         """Publish a message whose loss the protocol tolerates (a heartbeat, a goodbye, events nobody
         may read); if the bus refuses it, log `event` and return False instead of raising."""
         try:
-            await self.publish(topic, message)
+            await self.publish(topic, message, key=key)
         except (BusUnavailable, UnknownTopic) as error:
             log.warning(event, topic=topic, error=str(error))
             return False

@@ -1,8 +1,9 @@
 """Topic names: one request topic per served model and priority (the queue
 shared by its workers), one inbox per worker (the requests routed to it),
 one reply topic per gateway, one control topic for everyone, one routing
-topic where workers tell gateways their load and cache, and one adapters
-topic, compacted on Kafka, that holds the LoRA adapters loaded at run time."""
+topic where workers tell gateways their load and cache, one adapters topic,
+compacted on Kafka, that holds the LoRA adapters loaded at run time, and one
+tenant-usage topic, compacted too, where gateways share their tenants' use."""
 
 from __future__ import annotations
 
@@ -51,3 +52,9 @@ def adapters_topic(prefix: str) -> str:
     """The LoRA adapters loaded and unloaded at run time (schemas.messages.AdapterState), keyed by model/name:
     compacted on Kafka and read from its beginning, so that the latest state of each adapter is never lost."""
     return f"{prefix}.adapters"
+
+
+def tenant_usage_topic(prefix: str) -> str:
+    """Each gateway's use by each tenant (schemas.messages.TenantUsage), keyed by gateway id: compacted on Kafka
+    and read from its beginning, so that the limits hold across gateways and across their restarts."""
+    return f"{prefix}.tenant-usage"

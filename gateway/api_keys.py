@@ -1,11 +1,15 @@
 """Optional API keys: `Authorization: Bearer <key>` on every route but the probes.
 
 A pure ASGI middleware, in front of everything (a refused request is never
-parsed). Without keys configured it is not installed. Health probes and
-/metrics stay open: orchestrators and Prometheus call them without keys.
-A refused HTTP request gets 401 with `WWW-Authenticate: Bearer` (in OpenAI's
-error shape on /v1/...); a refused WebSocket is closed before it opens
-(code 1008, policy violation).
+parsed). Without keys configured (--api-keys, or a tenants file) it is not
+installed. Health probes and /metrics stay open: orchestrators and Prometheus
+call them without keys. A refused HTTP request gets 401 with
+`WWW-Authenticate: Bearer` (in OpenAI's error shape on /v1/...); a refused
+WebSocket is closed before it opens (code 1008, policy violation).
+
+A key of a tenant (tenants.py) names the tenant in the request's context,
+where the gateway's service reads it and every log line of the request
+carries it; the answer gets the tenant's x-ratelimit-* headers (quotas.py).
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from __future__ import annotations
 import hmac
 import json
 import re
+from collections.abc import Callable
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+import structlog
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import openai_error_body
+from gateway.tenants import Tenants
 
 UNAUTHORIZED = "Unauthorized"
 _OPEN = re.compile(r"^/(health|metrics|v2/health/(live|ready)|v2/models/[^/]+/ready)$")
@@ -27,28 +34,67 @@ def open_path(path: str) -> bool:
     return bool(_OPEN.match(path))
 
 
+def current_tenant() -> str | None:
+    """The tenant whose key the request being handled came with; None without a tenants file, or for a key of
+    --api-keys (no tenant's)."""
+    return structlog.contextvars.get_contextvars().get("tenant")
+
+
 class ApiKeys:
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: list[str],
+        tenants: Tenants | None = None,
+        rate_limit_headers: Callable[[str], dict[str, str]] | None = None,
+    ) -> None:
+        """`rate_limit_headers(tenant)`: the headers an answer to a request of the tenant gets."""
         self._app = app
         self._keys = [k.encode() for k in keys]
+        self._tenants = tenants
+        self._rate_limit_headers = rate_limit_headers
 
-    def _allowed(self, scope: Scope) -> bool:
+    def _allowed(self, scope: Scope) -> tuple[bool, str | None]:
+        """Whether the request may in, and the tenant its key belongs to."""
         if open_path(scope["path"]):
-            return True
+            return True, None
         authorization = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, key = authorization.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
+            return False, None
+        key = key.strip()
+        if self._tenants is not None and (tenant := self._tenants.of_key(key)) is not None:
+            return True, tenant
         # Compare with every key, in constant time, so that timing tells nothing about them.
-        return any([hmac.compare_digest(key.strip(), k) for k in self._keys])
+        return any([hmac.compare_digest(key, k) for k in self._keys]), None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or self._allowed(scope):
+        allowed, tenant = self._allowed(scope) if scope["type"] in ("http", "websocket") else (True, None)
+        if tenant is not None:
+            tokens = structlog.contextvars.bind_contextvars(tenant=tenant)
+            try:
+                await self._app(scope, receive, self._with_rate_limits(send, tenant))
+            finally:
+                structlog.contextvars.reset_contextvars(**tokens)
+        elif allowed:
             await self._app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": "a valid API key is required"})
         else:
             await self._refuse(scope, send)
+
+    def _with_rate_limits(self, send: Send, tenant: str) -> Send:
+        """`send`, adding the tenant's x-ratelimit-* headers, as they stand then, to the start of an answer."""
+        if self._rate_limit_headers is None:
+            return send
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                added = [(k.encode(), v.encode()) for k, v in self._rate_limit_headers(tenant).items()]
+                message = {**message, "headers": [*message.get("headers", ()), *added]}
+            await send(message)
+
+        return sending
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
         message = "a valid API key is required: Authorization: Bearer <key>"

@@ -40,8 +40,8 @@ def create_app(
     """An app that serves through `service`, which it starts and stops with itself.
 
     Request bodies over `max_request_bytes` are refused (413) before they are
-    parsed; with `api_keys`, requests without one of them (or of the admin keys, which may load LoRA adapters:
-    routes/lora.py) are refused (401) first.
+    parsed; with `api_keys` or a tenants file, requests without one of them (or of a tenant's, or of the admin
+    keys, which may load LoRA adapters: routes/lora.py) are refused (401) first.
     `more_metrics()`: Prometheus text that GET /metrics adds (another process's, as serve's engine).
     """
 
@@ -72,11 +72,17 @@ def create_app(
     # Each middleware added runs before those added earlier.
     app.add_middleware(RequestBodies, max_bytes=max_request_bytes)
     app.add_middleware(HeadAsGet)
-    if api_keys:
-        app.add_middleware(ApiKeys, keys=[*api_keys, *service.settings.admin_api_keys])
+    keys_required = bool(api_keys) or service.tenants is not None
+    if keys_required:
+        app.add_middleware(
+            ApiKeys,
+            keys=[*(api_keys or ()), *service.settings.admin_api_keys],
+            tenants=service.tenants,
+            rate_limit_headers=service.rate_limit_headers,
+        )
     app.add_middleware(AccessLog)  # first: it logs and counts every answer, the others' refusals included
     install_handlers(app)
-    openapi.install(app, keys_required=lambda path: bool(api_keys) and not open_path(path))
+    openapi.install(app, keys_required=lambda path: keys_required and not open_path(path))
     app.include_router(mindie.router)
     app.include_router(triton.router)
     app.include_router(openai.router)

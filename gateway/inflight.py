@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from bus.prefixes import prefix_hashes
@@ -49,6 +49,9 @@ class InFlight:
         self.worker_id: str | None = None  # the worker running the current attempt, once known
         self.broke_off_on: str | None = None  # the worker of the previous attempt: a failover avoids it
         self.unlisted = 0  # heartbeats in a row of that worker that did not list it
+        # Told the tokens its events bring (its prompt's once, whatever the attempts, and each generated one).
+        self.on_tokens: Callable[[int], None] | None = None
+        self._prompt_counted = False
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     @functools.cached_property
@@ -92,11 +95,20 @@ class InFlight:
                     event = await self._events.get()
                 self.worker_ended = event.finish_reason is not None or event.error is not None
                 self.finished = self.worker_ended
+                self._count_tokens(event)
             except TimeoutError:
                 event = self._expired()
                 self.finished = True
             self.timer.event(event, time.time())
             yield event
+
+    def _count_tokens(self, event: TokenEvent) -> None:
+        if self.on_tokens is None:
+            return
+        prompt = 0 if self._prompt_counted else event.prompt_tokens or 0
+        self._prompt_counted = self._prompt_counted or event.prompt_tokens is not None
+        if counted := prompt + len(event.token_ids):
+            self.on_tokens(counted)
 
     def stop_unstarted(self) -> None:
         """End a request that no worker has (it waited in the gateway) as stopped, like a cancel does."""

@@ -12,12 +12,17 @@ Its heartbeats go to the control topic (workers drop the requests of a gateway
 that stops sending them) and to its own reply topic: a listener that does not
 hear its own gateway's heartbeats for a while is stuck, and is rebuilt.
 Draining (SIGTERM) refuses new requests with 503 while those in flight end.
+With a tenants file, it admits each tenant's requests within the tenant's
+allowance and limits, sharing its tenants' use with the other gateways on the
+tenant-usage topic (tenants.py, quotas.py); SIGHUP reads the file again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import signal
 import time
 import uuid
 
@@ -25,16 +30,19 @@ import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.peers import PeerClock, send_own_heartbeat
-from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic
+from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic, tenant_usage_topic
 from gateway import failover
 from gateway.access_log import current_request_id
+from gateway.api_keys import UNAUTHORIZED, current_tenant
 from gateway.directory import WorkerDirectory
 from gateway.dispatch import Dispatcher
 from gateway.errors import PAYLOAD_TOO_LARGE, ApiError, not_found, unavailable
 from gateway.failover import CHECK_EVERY_S, Failover
 from gateway.inflight import InFlight, InFlightRegistry
+from gateway.quotas import SHARE_INTERVAL_S, Quotas
 from gateway.router import Router
 from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant, Tenants
 from schemas.messages import (
     STREAM_ERRORS,
     AdapterState,
@@ -48,6 +56,7 @@ from schemas.messages import (
     StopAnswer,
     StopClientRequest,
     Task,
+    TenantUsage,
     TokenEvents,
     Tokenization,
     WorkerHeartbeat,
@@ -72,6 +81,8 @@ LISTENER_STUCK_S = 10.0  # this many seconds of own heartbeats taken by the brok
 CONTROL_REPLAY_S = 10.0
 # How long a stopInfer waits for another gateway to say it stopped the request, before answering 404.
 STOP_ANSWER_TIMEOUT_S = 1.0
+TENANTS_FILE_CHECK_S = 1.0  # how often the tenants file is looked at for a change
+FORBIDDEN = "Forbidden"
 
 
 class GatewayService:
@@ -83,6 +94,7 @@ class GatewayService:
         self._control_topic = control_topic(settings.topic_prefix)
         self._routing_topic = routing_topic(settings.topic_prefix)
         self._adapters_topic = adapters_topic(settings.topic_prefix)
+        self._usage_topic = tenant_usage_topic(settings.topic_prefix)
         self._metrics = metrics_of("gateway")
         self.directory = WorkerDirectory(on_new_model=self._count_from_zero)
         self.inflight = InFlightRegistry()
@@ -98,6 +110,9 @@ class GatewayService:
         self._tasks: list[asyncio.Task] = []
         self._cancelling: set[asyncio.Task] = set()  # cancellations being published
         self.draining = False
+        self.tenants = Tenants(settings.tenants_file) if settings.tenants_file else None
+        self._quotas = Quotas(self.gateway_id, time.time(), self.tenants) if self.tenants is not None else None
+        self._tenant_of: dict[str, str] = {}  # request id -> its tenant, while it counts in the tenant's use
 
     def _count_from_zero(self, model: str) -> None:
         """A model announced for the first time: its failures and failovers are exported at 0 until they happen."""
@@ -112,7 +127,17 @@ class GatewayService:
         routing = await self._bus.listen(self._routing_topic, replay_s=CONTROL_REPLAY_S)
         adapters = await self._bus.listen(self._adapters_topic, from_start=True)
         self._listeners = [replies, control, routing, adapters]
-        self._tasks = [
+        if self.tenants is not None:
+            await self._bus.create_topics({self._usage_topic: 1}, compacted=True)
+            usage = await self._bus.listen(self._usage_topic, from_start=True)
+            self._listeners.append(usage)
+            self._tasks += [
+                asyncio.create_task(self._watch_usage(usage), name="watch-tenant-usage"),
+                asyncio.create_task(self._share_usage(), name="share-tenant-usage"),
+            ]
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not in the main thread
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
+        self._tasks += [
             asyncio.create_task(self._watch_adapters(adapters), name="watch-adapters"),
             asyncio.create_task(self._route_replies(replies), name="route-replies"),
             asyncio.create_task(self._watch_control(control), name="watch-control"),
@@ -125,6 +150,9 @@ class GatewayService:
         log.info("gateway_started", gateway_id=self.gateway_id, reply_topic=self._reply_topic)
 
     async def stop(self) -> None:
+        if self.tenants is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         await asyncio.gather(*self._cancelling, return_exceptions=True)
         await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
         for task in self._tasks:
@@ -189,6 +217,29 @@ class GatewayService:
         async for message in adapters:
             if isinstance(message, AdapterState):
                 self.directory.adapter_changed(message)
+
+    async def _watch_usage(self, usage: Listener) -> None:
+        async for message in usage:
+            if isinstance(message, TenantUsage):
+                self._quotas.observe(message)
+
+    async def _share_usage(self) -> None:
+        """Publish this gateway's use by its tenants when it changes; read the tenants file again if it changed."""
+        checked = time.monotonic()
+        while True:
+            await asyncio.sleep(SHARE_INTERVAL_S)
+            if time.monotonic() - checked >= TENANTS_FILE_CHECK_S:
+                self.tenants.reload_if_changed()
+                checked = time.monotonic()
+            if (report := self._quotas.report(time.time())) is not None:
+                await self._bus.publish_or_log(
+                    self._usage_topic, report, "tenant_usage_not_published", key=self.gateway_id
+                )
+
+    def rate_limit_headers(self, tenant: str) -> dict[str, str]:
+        """The x-ratelimit-* headers of an answer to a request of the tenant (quotas.py)."""
+        limits = self.tenants.get(tenant) if self.tenants is not None else None
+        return self._quotas.headers(tenant, limits, time.time()) if limits is not None else {}
 
     async def change_adapter(self, state: AdapterState) -> None:
         """Load or unload a LoRA adapter for the fleet: on the adapters topic, and in this gateway's directory at
@@ -290,6 +341,10 @@ class GatewayService:
         `client_id` is the id the client gave (stopInfer finds the request by it); `task` what the worker does
         with the prompt (schemas/messages.py), `tokenization` how a tokenize request's prompt is tokenized.
         """
+        priority = priority or self._settings.default_priority
+        tenant_name, tenant = self._tenant()
+        if tenant is not None:
+            sampling, priority = self._within_allowance(model, tenant_name, tenant, sampling, priority)
         now = time.time()
         generation_id = uuid.uuid4().hex
         trace_id = current_request_id() or generation_id
@@ -309,7 +364,7 @@ class GatewayService:
             truncate=truncate,
             tokenization=tokenization,
             sampling=sampling,
-            priority=priority or self._settings.default_priority,
+            priority=priority,
             tokens_before=tokens_before,
             arrival=now,
             deadline=now + (timeout_s or self._settings.default_timeout_s),
@@ -341,21 +396,66 @@ class GatewayService:
                 reason="waiting limit",
                 waiting=ahead,
             )
+        if tenant is not None and (refusal := self._quotas.admit(tenant_name, tenant, now)) is not None:
+            raise self._refused(model, refusal.message, reason=refusal.limit, retry_after_s=refusal.retry_after_s)
         inflight = self.inflight.open(request, client_id or request.request_id)
+        if tenant is not None:
+            self._tenant_of[request.request_id] = tenant_name
+            inflight.on_tokens = lambda count: self._quotas.tokens(tenant_name, count, time.time())
         try:
             await self._dispatcher.dispatch(inflight)
         except (BusUnavailable, UnknownTopic) as error:
             self.inflight.close(request.request_id)
+            self._tenant_ended(request.request_id)
             inflight.timer.end(SERVICE_UNAVAILABLE, time.time(), failed=True)
             log.warning("publish_failed", error=str(error))
             raise unavailable(f"the message bus cannot take the request now: {error}") from error
         return inflight
 
-    def _refused(self, model: ServedModel, message: str, reason: str, **counts: int) -> ApiError:
+    def _refused(
+        self, model: ServedModel, message: str, reason: str, retry_after_s: int = RETRY_AFTER_S, **counts: int
+    ) -> ApiError:
         """A 429 with Retry-After for a request past an admission limit, counted and logged."""
         self._metrics.failed(model.name, TOO_MANY_REQUESTS)
         log.warning("request_refused", reason=reason, **counts)
-        return ApiError(429, TOO_MANY_REQUESTS, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return ApiError(429, TOO_MANY_REQUESTS, message, headers={"Retry-After": str(retry_after_s)})
+
+    def _tenant(self) -> tuple[str, Tenant] | tuple[None, None]:
+        """The tenant of the request being handled, and its entry; (None, None) for a request of no tenant."""
+        name = current_tenant() if self.tenants is not None else None
+        if name is None:
+            return None, None
+        tenant = self.tenants.get(name)
+        if tenant is None:  # the file was read again since the key was checked, without the tenant
+            raise ApiError(401, UNAUTHORIZED, f"tenant {name} is no longer served: its key is not valid any more")
+        return name, tenant
+
+    @staticmethod
+    def _within_allowance(
+        model: ServedModel, name: str, tenant: Tenant, sampling: SamplingParams, priority: int
+    ) -> tuple[SamplingParams, int]:
+        """The request as its tenant may send it: 403 for a model it may not use; a priority more urgent than
+        its allowance lowered to it, and max_tokens to its ceiling (both logged)."""
+        called = model.adapter or model.name
+        if tenant.models and called not in tenant.models:
+            raise ApiError(
+                403, FORBIDDEN, f"tenant {name} may not use model {called}; it may use {', '.join(tenant.models)}"
+            )
+        if priority < tenant.max_priority:
+            log.info("priority_lowered", tenant=name, asked=priority, priority=tenant.max_priority)
+            priority = tenant.max_priority
+        ceiling = tenant.max_tokens
+        if ceiling is not None and sampling.max_new_tokens > ceiling:
+            log.info("max_tokens_lowered", tenant=name, asked=sampling.max_new_tokens, max_tokens=ceiling)
+            sampling = sampling.model_copy(
+                update={"max_new_tokens": ceiling, "min_tokens": min(sampling.min_tokens, ceiling)}
+            )
+        return sampling, priority
+
+    def _tenant_ended(self, request_id: str) -> None:
+        """The request no longer counts among its tenant's requests in flight (once, however often called)."""
+        if (tenant := self._tenant_of.pop(request_id, None)) is not None:
+            self._quotas.ended(tenant)
 
     async def stop_requests(self, model_name: str, client_id: str) -> bool:
         """stopInfer: cancel the running requests of that client id, here or on another gateway.
@@ -435,6 +535,7 @@ class GatewayService:
         awaited publish short.
         """
         self.inflight.close(inflight.request.request_id)
+        self._tenant_ended(inflight.request.request_id)
         held = self._dispatcher.release(inflight)  # then no worker has it
         self._failover.forget(inflight, told_to_stop=not (inflight.worker_ended or held))
         inflight.timer.end(CLIENT_GONE, time.time())  # unless its last event ended it already

@@ -30,6 +30,7 @@ class GatewaySettings:
     # Bearer keys that may load and unload LoRA adapters at run time (routes/lora.py); none: refused.
     admin_api_keys: tuple[str, ...] = ()
     lora_root: str = ""  # resolved: the directory run-time adapters must lie under; empty: refused
+    tenants_file: str = ""  # API keys' tenants and their limits (tenants.py); empty: no tenants
 
 
 @dataclass(frozen=True)

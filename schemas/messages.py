@@ -404,6 +404,31 @@ class AdapterState(_Message):
         return f"{self.model}/{self.name}"
 
 
+class TenantUse(BaseModel):
+    """One gateway's use by one tenant: its requests in flight, and per second of the rate window the requests
+    it admitted and the tokens its requests were given (prompt and output)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    in_flight: int = 0
+    seconds: list[tuple[int, int, int]] = []  # (second since the epoch, requests, tokens), seconds with any
+
+
+class TenantUsage(_Message):
+    """A gateway's use by each tenant over the rate window, on the tenant-usage topic (gateway/quotas.py).
+
+    Compacted on Kafka and keyed by gateway id: the latest report of each
+    gateway is its use, and a gateway that starts reads every gateway's from
+    the topic's beginning, so a restart forgets no use still in the window.
+    """
+
+    kind: Literal["tenant_usage"] = "tenant_usage"
+    gateway_id: str
+    started_at: float  # the gateway process's start (time.time()): a restart under the same id is another
+    sent_at: float
+    tenants: dict[str, TenantUse] = {}
+
+
 BusMessage = Annotated[
     GenerationRequest
     | TokenEvents
@@ -413,7 +438,8 @@ BusMessage = Annotated[
     | WorkerLoad
     | StopClientRequest
     | StopAnswer
-    | AdapterState,
+    | AdapterState
+    | TenantUsage,
     Field(discriminator="kind"),
 ]
 _bus_message = TypeAdapter(BusMessage)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,7 @@ SAMPLES = {
     "--distributed-init": ["tcp://127.0.0.1:29500"],
     "--lora-root": [str(BUNDLED_VISION_MODEL)],  # a directory that exists
     "--lora": [f"shout={BUNDLED_ADAPTERS['shout']}", f"code={BUNDLED_ADAPTERS['code']}"],
+    "--tenants-file": [str(Path(__file__).parents[1] / "deploy" / "tenants.example.toml")],
 }
 SIMULATE = {"worker": "bundled-cpu", "simulate": "llama-1.1b-h200"}  # a profile other than the default
 TLS = {"--tls-cert": "cert.pem", "--tls-key": "key.pem", "--tls-ca": "ca.pem"}  # they go together

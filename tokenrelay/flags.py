@@ -150,6 +150,13 @@ def _gateway_options(parser: _Parser) -> None:
     _option(parser, "--api-keys-file", default="", help="a file of API keys, one per line (with --api-keys, all count)")
     _option(
         parser,
+        "--tenants-file",
+        default="",
+        help="a TOML or YAML file of tenants: their API keys, fair-share weights, limits per minute and at once, "
+        "allowed priorities, models and max_tokens; read again when it changes and on SIGHUP",
+    )
+    _option(
+        parser,
         "--admin-api-keys",
         nargs="+",
         default=[],

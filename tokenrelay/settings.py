@@ -25,6 +25,7 @@ from pathlib import Path
 
 from bus.settings import InProcessSettings, KafkaSettings
 from gateway.settings import GatewaySettings, MediaPolicy, ServerSettings
+from gateway.tenants import TenantsFileError, read_tenants_file
 from tokenrelay.flags import parse_args
 from tokenrelay.lifecycle import CannotStart
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
@@ -127,7 +128,18 @@ def _gateway(args: argparse.Namespace) -> GatewaySettings:
         route=not args.no_router,
         admin_api_keys=tuple(key.strip() for key in args.admin_api_keys if key.strip()),
         lora_root=_lora_root(args.lora_root),
+        tenants_file=_tenants_file(args.tenants_file),
     )
+
+
+def _tenants_file(path: str) -> str:
+    """--tenants-file, read once here so that a bad one stops the command at once, naming what is wrong."""
+    if path:
+        try:
+            read_tenants_file(path)
+        except TenantsFileError as error:
+            raise CannotStart(f"--tenants-file {error}") from None
+    return path
 
 
 def _lora_root(root: str) -> str:
