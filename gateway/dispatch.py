@@ -1,7 +1,8 @@
 """Sending a request where it will run: the inbox of the worker the router picks, as soon as one has room.
 
 A request that no worker has room for now waits here, most urgent first
-(its priority, aged by its wait), and goes out as soon as a load report
+(its priority, aged by its wait; within a priority, the tenant furthest below
+its fair share first: schemas/fair_share.py), and goes out as soon as a load report
 shows room: a worker's free slot, its read-ahead (router.py), or a running
 request of a lower priority that it would preempt. Waiting here rather than
 in a topic that only some workers read means that whichever worker frees a
@@ -27,9 +28,11 @@ import structlog
 from prometheus_client import Gauge
 
 from bus.base import Bus, BusUnavailable, UnknownTopic
+from bus.prefixes import prompt_bytes
 from bus.topics import request_topic
 from gateway.inflight import InFlight
 from gateway.router import Router
+from schemas.fair_share import FairShare
 from schemas.messages import GenerationRequest
 
 log = structlog.get_logger(__name__)
@@ -40,6 +43,7 @@ HELD = Gauge(
     ["model"],
 )
 _RETRY_S = 0.5  # a held request the bus refused is tried again this soon, or at the next load report
+_BYTES_PER_TOKEN = 4  # a prompt's tokens, until its worker counts them: about 4 bytes of English each
 
 
 class Dispatcher:
@@ -52,6 +56,10 @@ class Dispatcher:
         # -> since when another worker than the one holding its prompt had room (time.monotonic())
         self._held: dict[InFlight, float] = {}
         self._held_by_model: Counter[str] = Counter()
+        # Tokens its tenants were served through this gateway: their prompts' estimated when sent (the estimate
+        # prepaid, InFlight.prepaid_tokens), then what their events bring beyond it.
+        self._fair_share = FairShare()
+        self._fair_counted: set[InFlight] = set()  # the requests it counts as its tenants' here, until they end
         self._wake = asyncio.Event()
 
     def queue_ahead(self, request: GenerationRequest) -> int:
@@ -72,6 +80,9 @@ class Dispatcher:
 
         Raises what Bus.publish raises when it publishes now.
         """
+        if inflight not in self._fair_counted:  # a failover dispatches it again: it arrived once
+            self._fair_counted.add(inflight)
+            self._fair_share.arrived(inflight.request.tenant)
         if await self._send(inflight, time.monotonic()) != _SENT:
             self._held[inflight] = time.monotonic()
             self._held_by_model[inflight.request.model] += 1
@@ -87,6 +98,28 @@ class Dispatcher:
         HELD.labels(inflight.request.model).dec()
         return True
 
+    def ended(self, inflight: InFlight) -> None:
+        """The request ended (its tenant's fair share no longer counts it among its requests here)."""
+        if inflight in self._fair_counted:
+            self._fair_counted.discard(inflight)
+            self._fair_share.left(inflight.request.tenant)
+
+    def served(self, inflight: InFlight, tokens: int) -> None:
+        """Tokens its events brought (its prompt's once, and each generated): charged to its tenant beyond what
+        was prepaid for its prompt when it was sent."""
+        prepaid = min(inflight.prepaid_tokens, tokens)
+        inflight.prepaid_tokens -= prepaid
+        if tokens > prepaid:
+            self._fair_share.charge(inflight.request.tenant, inflight.request.tenant_weight, tokens - prepaid)
+
+    def _sent(self, inflight: InFlight) -> None:
+        """It left for a worker: its prompt's estimated tokens are charged (once: not again after a failover)."""
+        request = inflight.request
+        if request.attempt == 0:
+            estimate = len(request.prompt_token_ids or ()) or len(prompt_bytes(request)) // _BYTES_PER_TOKEN
+            inflight.prepaid_tokens = estimate
+            self._fair_share.charge(request.tenant, request.tenant_weight, estimate)
+
     async def _send(self, inflight: InFlight, held_since: float) -> str:
         """Publish to a worker's inbox, or to the shared queue when no worker reports: _SENT, else why not."""
         outcome = await self._publish_routed(inflight, held_since)
@@ -94,7 +127,9 @@ class Dispatcher:
             topic = request_topic(self._topic_prefix, inflight.request.model, inflight.request.priority)
             await self._bus.publish(topic, inflight.request)
             log.info("request_queued", **inflight.request.log_ids(), topic=topic)
-            return _SENT
+            outcome = _SENT
+        if outcome == _SENT:
+            self._sent(inflight)
         return outcome
 
     async def _publish_routed(self, inflight: InFlight, held_since: float) -> str:
@@ -134,6 +169,10 @@ class Dispatcher:
             return _SENT
         return _NO_ROOM
 
+    def _order(self, inflight: InFlight, now: float) -> tuple[int, float, float]:
+        request = inflight.request
+        return self._fair_share.order(request.tenant, request.urgency(now, self._aging_s))
+
     async def run(self) -> None:
         """Send held requests, most urgent first, whenever reports show room (or a wait for a cache ends)."""
         while True:
@@ -145,7 +184,7 @@ class Dispatcher:
             self._wake.clear()
             now = time.time()
             waiting_for_cache = False
-            for inflight in sorted(self._held, key=lambda f: f.request.urgency(now, self._aging_s)):
+            for inflight in sorted(self._held, key=lambda f: self._order(f, now)):
                 if inflight not in self._held:
                     continue  # ended meanwhile
                 try:
@@ -169,6 +208,8 @@ class Dispatcher:
                     waiting_for_cache = True
                 else:
                     self.release(inflight)
+                    self._wake.set()  # the order again: its tenant's share has moved (schemas/fair_share.py)
+                    break
             if waiting_for_cache:
                 await asyncio.sleep(0.01)  # waits for a cache end by the clock too
                 self._wake.set()

@@ -51,6 +51,7 @@ class InFlight:
         self.unlisted = 0  # heartbeats in a row of that worker that did not list it
         # Told the tokens its events bring (its prompt's once, whatever the attempts, and each generated one).
         self.on_tokens: Callable[[int], None] | None = None
+        self.prepaid_tokens = 0  # charged to its tenant's fair share when sent, before its worker counted them
         self._prompt_counted = False
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import signal
 import time
@@ -365,6 +366,8 @@ class GatewayService:
             tokenization=tokenization,
             sampling=sampling,
             priority=priority,
+            tenant=tenant_name,
+            tenant_weight=tenant.weight if tenant is not None else 1.0,
             tokens_before=tokens_before,
             arrival=now,
             deadline=now + (timeout_s or self._settings.default_timeout_s),
@@ -399,14 +402,15 @@ class GatewayService:
         if tenant is not None and (refusal := self._quotas.admit(tenant_name, tenant, now)) is not None:
             raise self._refused(model, refusal.message, reason=refusal.limit, retry_after_s=refusal.retry_after_s)
         inflight = self.inflight.open(request, client_id or request.request_id)
+        inflight.on_tokens = functools.partial(self._tokens_served, inflight)
         if tenant is not None:
             self._tenant_of[request.request_id] = tenant_name
-            inflight.on_tokens = lambda count: self._quotas.tokens(tenant_name, count, time.time())
         try:
             await self._dispatcher.dispatch(inflight)
         except (BusUnavailable, UnknownTopic) as error:
             self.inflight.close(request.request_id)
             self._tenant_ended(request.request_id)
+            self._dispatcher.ended(inflight)
             inflight.timer.end(SERVICE_UNAVAILABLE, time.time(), failed=True)
             log.warning("publish_failed", error=str(error))
             raise unavailable(f"the message bus cannot take the request now: {error}") from error
@@ -451,6 +455,12 @@ class GatewayService:
                 update={"max_new_tokens": ceiling, "min_tokens": min(sampling.min_tokens, ceiling)}
             )
         return sampling, priority
+
+    def _tokens_served(self, inflight: InFlight, count: int) -> None:
+        """Tokens a request's events brought: for its tenant's fair share, and against its tenant's limits."""
+        self._dispatcher.served(inflight, count)
+        if (tenant := inflight.request.tenant) is not None:
+            self._quotas.tokens(tenant, count, time.time())
 
     def _tenant_ended(self, request_id: str) -> None:
         """The request no longer counts among its tenant's requests in flight (once, however often called)."""
@@ -536,6 +546,7 @@ class GatewayService:
         """
         self.inflight.close(inflight.request.request_id)
         self._tenant_ended(inflight.request.request_id)
+        self._dispatcher.ended(inflight)
         held = self._dispatcher.release(inflight)  # then no worker has it
         self._failover.forget(inflight, told_to_stop=not (inflight.worker_ended or held))
         inflight.timer.end(CLIENT_GONE, time.time())  # unless its last event ended it already

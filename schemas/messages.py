@@ -144,6 +144,10 @@ class GenerationRequest(_Message):
     tokenization: Tokenization | None = None
     sampling: SamplingParams
     priority: int = Field(default=5, ge=1, le=5)
+    # The tenant of the key it came with (gateway/tenants.py) and its fair-share weight: within a priority,
+    # tenants are served in proportion to their weights (schemas/fair_share.py); None: no tenant's.
+    tenant: str | None = None
+    tenant_weight: float = Field(default=1.0, gt=0)
     # A recomputation continues a generation that broke off: this many tokens
     # were generated (and delivered) before, and count towards max_new_tokens.
     tokens_before: int = Field(default=0, ge=0)
@@ -166,9 +170,10 @@ class GenerationRequest(_Message):
 
     def log_ids(self) -> dict[str, str]:
         """The ids its log lines carry: its request's (which one grep finds everywhere) and its own; and its
-        LoRA adapter, where it has one."""
+        LoRA adapter and its tenant, where it has them."""
         ids = {"request_id": self.trace_id, "generation_id": self.request_id}
-        return ids if self.adapter is None else ids | {"adapter": self.adapter}
+        ids |= {"adapter": self.adapter} if self.adapter is not None else {}
+        return ids | ({"tenant": self.tenant} if self.tenant is not None else {})
 
     def image_places(self) -> list[ImagePart]:
         parts = list(self.prompt_parts or ())

@@ -311,3 +311,35 @@ async def test_a_request_waits_behind_the_held_and_the_routed_not_started_unless
     assert dispatcher.queue_ahead(_request(priority=1)) == 0  # it would preempt a priority-5 request
     assert dispatcher.queue_ahead(_request(model="other")) == 0  # no worker of it reports: the shared queue
     assert Dispatcher(bus, None, "t").queue_ahead(_request()) == 0  # no routing: the backlog is not seen
+
+
+async def test_held_requests_of_one_priority_go_out_by_their_tenants_fair_share_not_first_come():
+    """A heavy tenant's three requests wait when a light tenant's comes: as a slot frees at a time, the light one
+    goes after one heavy one (whose prompt then counts), not after all three."""
+    bus = InProcessBus()
+    await bus.create_topics({"inbox.a": 1})
+    router = Router("replies")
+    dispatcher = Dispatcher(bus, router, "t")
+    router.observe(_load("a", running=4, waiting=1))
+    for name, tenant in (("h1", "heavy"), ("h2", "heavy"), ("h3", "heavy"), ("l1", "light")):
+        await dispatcher.dispatch(InFlight(_request(text="x" * 400, request_id=name, tenant=tenant), name))
+    sent: list[str] = []
+
+    async def read() -> None:
+        async for message in await _received(bus, "inbox.a"):
+            sent.append(message.request_id)
+
+    tasks = [asyncio.create_task(dispatcher.run()), asyncio.create_task(read())]
+    try:
+        for count in range(1, 5):
+            # One slot free (none to read ahead), and every request routed there before read.
+            router.observe(_load("a", running=3, waiting=1, inbox_reads={"replies": count - 1}))
+            dispatcher.room_may_have_changed()
+            for _ in range(200):
+                if len(sent) == count:
+                    break
+                await asyncio.sleep(0.01)
+    finally:
+        for task in tasks:
+            task.cancel()
+    assert sent == ["h1", "l1", "h2", "h3"]

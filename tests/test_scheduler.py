@@ -17,7 +17,7 @@ class _NoText:
         return ""
 
 
-def _sequence(tokens: list[int], priority: int = 5, name: str = "") -> Sequence:
+def _sequence(tokens: list[int], priority: int = 5, name: str = "", tenant: str | None = None, weight=1.0) -> Sequence:
     request = EngineRequest(
         request_id=name or str(id(tokens)),
         model="m",
@@ -25,6 +25,8 @@ def _sequence(tokens: list[int], priority: int = 5, name: str = "") -> Sequence:
         sampling=SamplingParams(seed=1),
         priority=priority,
         deadline=1e12,
+        tenant=tenant,
+        tenant_weight=weight,
     )
     from workers.engine.detokenizer import IncrementalDetokenizer
 
@@ -250,3 +252,74 @@ def test_a_twin_prompt_waits_for_its_twins_prefill_and_then_takes_its_kv_from_th
         chunk.sequence.generated.append(1)
     [*_, started] = scheduler.schedule()
     assert started.sequence is twin and twin.num_cached_tokens == 8 and started.num_tokens == 2
+
+
+def _run_until_done(scheduler: Scheduler, blocks: BlockManager, output_tokens: int) -> list[str]:
+    """Steps until every sequence has `output_tokens`: the tenants of the sequences in the order they finish."""
+    finished = []
+    while len(scheduler):
+        for chunk in scheduler.schedule():
+            sequence = chunk.sequence
+            _compute(blocks, sequence)  # every chunk here reaches its sequence's end
+            sequence.generated.append(1)
+            if len(sequence.generated) == output_tokens:
+                scheduler.remove(sequence)
+                finished.append(sequence.request.tenant)
+    return finished
+
+
+def test_within_a_priority_a_tenant_s_backlog_does_not_hold_back_a_lighter_tenant():
+    """One slot. The heavy tenant has 6 requests waiting when the light one sends 2: the light ones go next, each
+    after one heavy one, not after the heavy backlog (first come, first served would put them last)."""
+    scheduler, blocks = _scheduler(max_batch=1, num_blocks=64)
+    for i in range(6):
+        scheduler.add(_sequence([1, 2, 3, 4], name=f"h{i}", tenant="heavy"))
+    scheduler.schedule()  # h0 runs
+    for i in range(2):
+        scheduler.add(_sequence([5, 6, 7, 8], name=f"l{i}", tenant="light"))
+    order = _run_until_done(scheduler, blocks, output_tokens=4)
+    assert order == ["heavy", "light", "heavy", "light", "heavy", "heavy", "heavy", "heavy"]
+
+
+def test_tenants_share_a_saturated_slot_by_their_weights():
+    """Both tenants always have requests waiting; weights 2 and 1: of 30 requests served, 20 and 10."""
+    scheduler, blocks = _scheduler(max_batch=1, num_blocks=64)
+    for i in range(30):
+        scheduler.add(_sequence([1, 2, 3, 4], name=f"a{i}", tenant="a", weight=2.0))
+        scheduler.add(_sequence([5, 6, 7, 8], name=f"b{i}", tenant="b", weight=1.0))
+    served = []
+    while len(served) < 30:
+        [chunk] = scheduler.schedule()
+        sequence = chunk.sequence
+        blocks.computed(sequence, sequence.num_tokens)
+        sequence.generated.append(1)
+        if len(sequence.generated) == 4:
+            scheduler.remove(sequence)
+            served.append(sequence.request.tenant)
+    assert (served.count("a"), served.count("b")) == (20, 10)
+
+
+def test_priority_comes_before_fair_share_and_preemption_takes_the_tenant_furthest_over_its_share():
+    """The greedy tenant runs two sequences to the modest one's one, so its counter runs ahead. An urgent request
+    (of the greedy tenant, even) preempts a priority-5 sequence: the greedy tenant's newest, though the modest
+    one came last (without tenants, the newest goes)."""
+    scheduler, blocks = _scheduler(max_batch=3, num_blocks=64)
+    greedy = [_sequence([1, 2, 3, 4], name=f"g{i}", tenant="greedy") for i in range(2)]
+    for sequence in greedy:
+        scheduler.add(sequence)
+    _run_steps(scheduler, blocks, 1)
+    modest = _sequence([5], name="m", tenant="modest")
+    scheduler.add(modest)
+    _run_steps(scheduler, blocks, 5)
+    assert scheduler.fair_share.counter("greedy") > scheduler.fair_share.counter("modest")
+    scheduler.add(_sequence([3, 4], priority=1, name="urgent", tenant="greedy"))
+    assert [c.sequence.request_id for c in scheduler.schedule()] == ["urgent"]  # its prompt: a step of its own
+    assert greedy[1].status is Status.WAITING
+    assert greedy[0].status is Status.RUNNING and modest.status is Status.RUNNING
+
+
+def _run_steps(scheduler: Scheduler, blocks: BlockManager, steps: int) -> None:
+    for _ in range(steps):
+        for chunk in scheduler.schedule():
+            _compute(blocks, chunk.sequence)  # every chunk here reaches its sequence's end
+            chunk.sequence.generated.append(1)

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.quotas import SHARE_INTERVAL_S, STALE_S, Quotas, duration
 from gateway.tenants import Tenants, TenantsFileError, read_tenants_file
+from schemas.fair_share import FairShare, priority_level
 
 TOML = """
 rate_window_s = 10
@@ -182,3 +183,25 @@ def test_a_restarted_gateway_counts_its_previous_life_s_use_and_skips_its_own_re
 )
 def test_reset_times_are_written_as_openai_writes_them(seconds, text):
     assert duration(seconds) == text
+
+
+def test_fair_share_counts_tokens_by_weight_and_an_idle_tenant_banks_no_credit():
+    fair = FairShare()
+    fair.arrived("a")
+    fair.charge("a", 2.0, 1000)  # weight 2: 1000 tokens count 500
+    fair.arrived("b")  # a is active: b starts level with it, not at 0 with 500 tokens of credit
+    assert (fair.counter("a"), fair.counter("b")) == (500, 500)
+    fair.charge("b", 1.0, 100)
+    for tenant in ("a", "b"):
+        fair.left(tenant)  # b leaves last, at 600
+    fair.arrived("a")  # nobody active: where the last one left off
+    assert fair.counter("a") == 600
+    fair.charge("a", 2.0, 2)
+    assert fair.order("b", 4.5) < fair.order("a", 4.5)  # within a level, the counter
+    fair.charge("b", 1.0, 10_000)
+    assert fair.order("b", 3.9) < fair.order("a", 4.5)  # a level first, whatever the counters
+
+
+@pytest.mark.parametrize(("urgency", "level"), [(5.0, 5), (4.999, 5), (4.0, 4), (0.5, 1), (-1.5, -1)])
+def test_an_aged_priority_keeps_its_level_until_it_has_waited_a_whole_aging_period(urgency, level):
+    assert priority_level(urgency) == level

@@ -613,6 +613,8 @@ def engine_request(request: GenerationRequest) -> EngineRequest:
         task=request.task,
         attempt=request.attempt,
         priority=request.priority,
+        tenant=request.tenant,
+        tenant_weight=request.tenant_weight,
         prompt_text=request.prompt_text,
         prompt_token_ids=request.prompt_token_ids,
         chat_messages=request.chat_messages,

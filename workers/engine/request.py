@@ -32,6 +32,8 @@ class EngineRequest:
     task: Task = "generate"  # or only tokenize, detokenize, or embed the prompt (schemas/messages.py)
     attempt: int = 0  # echoed on its events: the gateway drops those of an attempt it gave up
     priority: int = 5  # 1 most urgent
+    tenant: str | None = None  # whose it is, for the fair share within a priority (schemas/fair_share.py)
+    tenant_weight: float = 1.0
     # The prompt: exactly one of these four.
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None

@@ -3,11 +3,13 @@
 Between steps the scheduler
 - admits waiting sequences, most urgent first: priority 1 before 5, where a
   sequence gains one level for every `aging_s` it has waited, so priority 5
-  is never starved; admission stops at the first sequence that does not fit
-  (batch size, or KV blocks), so nothing overtakes a more urgent one;
+  is never starved; within a level, the tenant furthest below its fair share
+  first (schemas/fair_share.py); admission stops at the first sequence that
+  does not fit (batch size, or KV blocks), so nothing overtakes a more urgent one;
 - makes room for an urgent sequence that does not fit (batch full, or KV
   blocks short) by preempting the least urgent running one (of a strictly
-  lower priority; aging does not preempt):
+  lower priority, and of those the one of the tenant furthest over its share;
+  aging does not preempt):
   its blocks are freed (their KV stays findable in the prefix cache) and it
   waits to be recomputed, seeing only a pause;
 - spends a token budget per step: one token for each decoding sequence, the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from schemas.fair_share import FairShare
 from schemas.messages import aged_priority
 from workers.engine.adapters import Adapters
 from workers.engine.block_manager import BlockManager, block_content
@@ -64,6 +67,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.preemptions = 0  # since start, for metrics and tests
+        self.fair_share = FairShare()  # tokens served per tenant: prompts at first admission, outputs per step
         # Since start, at each sequence's first admission: its prompt, and what the prefix cache held of it.
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
@@ -72,6 +76,10 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, sequence: Sequence) -> None:
+        self.fair_share.arrived(sequence.request.tenant)
+        self._wait(sequence)
+
+    def _wait(self, sequence: Sequence) -> None:
         sequence.status = Status.WAITING
         sequence.waiting_since = time.monotonic()
         self.waiting.append(sequence)
@@ -86,6 +94,8 @@ class Scheduler:
             self.waiting.remove(sequence)
         if sequence.adapter is not None:
             self._adapters.unpin(sequence.adapter)
+        if sequence.status is not Status.FINISHED:
+            self.fair_share.left(sequence.request.tenant)
         sequence.status = Status.FINISHED
 
     def _release_slot(self, sequence: Sequence) -> None:
@@ -108,10 +118,14 @@ class Scheduler:
         more urgent than the newcomer: it would starve.
         """
         eligible = [s for s in self.running if s.priority > priority and s.admitted_urgency > urgency]
-        return max(eligible, key=lambda s: (s.priority, s.received_at)) if eligible else None
+        return max(eligible, key=self._preemption_order) if eligible else None
 
     def _least_urgent_running(self) -> Sequence:
-        return max(self.running, key=lambda s: (s.priority, s.received_at))
+        return max(self.running, key=self._preemption_order)
+
+    def _preemption_order(self, sequence: Sequence) -> tuple[int, float, float]:
+        """Preempted first: the lowest priority; within it, the tenant furthest over its share; the newest."""
+        return sequence.priority, self.fair_share.counter(sequence.request.tenant), sequence.received_at
 
     def _preempt(self, sequence: Sequence) -> None:
         self.running.remove(sequence)
@@ -119,7 +133,7 @@ class Scheduler:
         self._release_slot(sequence)
         sequence.preemptions += 1
         self.preemptions += 1
-        self.add(sequence)
+        self._wait(sequence)
 
     def schedule(self) -> list[Chunk]:
         now = time.monotonic()
@@ -145,7 +159,11 @@ class Scheduler:
             num_tokens = min(sequence.num_tokens - sequence.num_cached_tokens, budget)
             chunks.append(Chunk(sequence, num_tokens))
             budget -= num_tokens
-        return [c for c in chunks if c.sequence.status is Status.RUNNING]
+        chunks = [c for c in chunks if c.sequence.status is Status.RUNNING]
+        for chunk in chunks:
+            if chunk.samples:  # a token drawn for it: served to its tenant
+                self.fair_share.charge(chunk.sequence.request.tenant, chunk.sequence.request.tenant_weight, 1)
+        return chunks
 
     @property
     def _step_budget(self) -> int:
@@ -171,7 +189,9 @@ class Scheduler:
         return [s for s in prompts if s.priority == most_urgent] if most_urgent < min(decoding) else []
 
     def _admit(self, now: float) -> None:
-        self.waiting.sort(key=lambda s: (self._urgency(s, now), s.received_at))
+        self.waiting.sort(
+            key=lambda s: (*self.fair_share.order(s.request.tenant, self._urgency(s, now)), s.received_at)
+        )
         deferred: list[Sequence] = []
         while self.waiting:
             candidate = self.waiting.pop(0)
@@ -222,6 +242,7 @@ class Scheduler:
         self.running.append(sequence)
         if sequence.admitted_at is None:
             sequence.admitted_at = now
+            self.fair_share.charge(sequence.request.tenant, sequence.request.tenant_weight, len(sequence.prompt_ids))
             self.prompt_tokens += len(sequence.prompt_ids)
             self.cached_prompt_tokens += min(sequence.num_cached_tokens, len(sequence.prompt_ids))
 
