@@ -76,14 +76,16 @@ class Dispatcher:
             self._wake.set()
 
     async def dispatch(self, inflight: InFlight) -> None:
-        """Publish the request's current attempt now, or hold it until a worker has room.
+        """Publish the request's current attempt now, or hold it until a worker has room. While others of its
+        model are held, it is held too: the held queue's order (priority, then fair share) decides which goes
+        first, not which came while a report showed room.
 
         Raises what Bus.publish raises when it publishes now.
         """
         if inflight not in self._fair_counted:  # a failover dispatches it again: it arrived once
             self._fair_counted.add(inflight)
             self._fair_share.arrived(inflight.request.tenant)
-        if await self._send(inflight, time.monotonic()) != _SENT:
+        if self._held_by_model[inflight.request.model] or await self._send(inflight, time.monotonic()) != _SENT:
             self._held[inflight] = time.monotonic()
             self._held_by_model[inflight.request.model] += 1
             HELD.labels(inflight.request.model).inc()

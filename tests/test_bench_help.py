@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ("engine", "serve", "chaos", "rolling", "scale", "priority", "profile", "kernels", "shard")
+BENCHMARKS = ("engine", "serve", "chaos", "rolling", "scale", "priority", "tenants", "profile", "kernels", "shard")
 HEAVY = ("torch", "transformers", "aiokafka", "matplotlib", "triton")
 
 # For each benchmark in turn, in one interpreter: its --help's exit status and first line, and the heavy

@@ -30,7 +30,7 @@ _DESCRIPTION = """\
     tokenrelay worker    a model worker on Kafka
     tokenrelay simulate  many simulated workers in one process, on Kafka
     tokenrelay up        gateways and workers on one Kafka, on this machine
-    tokenrelay bench     benchmarks (engine, serve, chaos, rolling, scale, priority, profile, kernels, shard)
+    tokenrelay bench     benchmarks (engine, serve, chaos, rolling, scale, priority, tenants, profile, kernels, shard)
 
 Every flag can also come from the environment: `--served-model-name` is
 TOKENRELAY_SERVED_MODEL_NAME (lists separated by commas, a switch as 1, true,
@@ -446,11 +446,13 @@ def build_parser() -> _Parser:
     _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
     bench = commands.add_parser(
         "bench",
-        help="benchmarks: `tokenrelay bench {engine,serve,chaos,rolling,scale,priority,profile,kernels,shard} --help`",
+        help="benchmarks: `tokenrelay bench "
+        "{engine,serve,chaos,rolling,scale,priority,tenants,profile,kernels,shard} --help`",
         description="Benchmarks; each has its own options: `tokenrelay bench BENCHMARK --help`.",
     )
     bench.add_argument(
-        "benchmark", choices=["engine", "serve", "chaos", "rolling", "scale", "priority", "profile", "kernels", "shard"]
+        "benchmark",
+        choices=["engine", "serve", "chaos", "rolling", "scale", "priority", "tenants", "profile", "kernels", "shard"],
     )
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     for sub in (serve, gateway, worker, simulate):
