@@ -461,6 +461,24 @@ class KafkaBus(Bus):
             **{"fetch_max_wait_ms": self._settings.fetch_max_wait_ms, **overrides},
         )
 
+    async def read_to_end(self, topic: str) -> list[BusMessage]:
+        """Every message the topic holds now (of a compacted topic: at least the latest of each key), from its
+        beginning to its end as of the call; what does not decode is skipped. UnknownTopic if there is none."""
+        consumer = await self._listening_consumer(topic, from_start=True)
+        try:
+            partitions = list(consumer.assignment())
+            await consumer.seek_to_beginning(*partitions)
+            ends = await consumer.end_offsets(partitions)
+            messages: list[BusMessage] = []
+            while [p for p in partitions if await consumer.position(p) < ends[p]]:
+                for records in (await consumer.getmany(*partitions, timeout_ms=1000)).values():
+                    for record in records:
+                        with contextlib.suppress(ValidationError):
+                            messages.append(decode(record.value))
+            return messages
+        finally:
+            await consumer.stop()
+
     async def listen(self, topic: str, replay_s: float = 0.0, from_start: bool = False) -> Listener:
         consumer = await self._listening_consumer(topic)
         try:

@@ -3,7 +3,8 @@ shared by its workers), one inbox per worker (the requests routed to it),
 one reply topic per gateway, one control topic for everyone, one routing
 topic where workers tell gateways their load and cache, one adapters topic,
 compacted on Kafka, that holds the LoRA adapters loaded at run time, and one
-tenant-usage topic, compacted too, where gateways share their tenants' use."""
+tenant-usage topic, compacted too, where gateways share their tenants' use,
+and one usage topic, compacted, that holds each request's use for billing."""
 
 from __future__ import annotations
 
@@ -58,3 +59,9 @@ def tenant_usage_topic(prefix: str) -> str:
     """Each gateway's use by each tenant (schemas.messages.TenantUsage), keyed by gateway id: compacted on Kafka
     and read from its beginning, so that the limits hold across gateways and across their restarts."""
     return f"{prefix}.tenant-usage"
+
+
+def usage_topic(prefix: str) -> str:
+    """One record per request (schemas.messages.UsageRecord), keyed by its request id: compacted on Kafka, so
+    that a record published twice is kept once; `tokenrelay usage` sums it."""
+    return f"{prefix}.usage"

@@ -23,7 +23,7 @@ import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import openai_error_body
-from gateway.tenants import Tenants
+from gateway.tenants import Tenants, digest_of
 
 UNAUTHORIZED = "Unauthorized"
 _OPEN = re.compile(r"^/(health|metrics|v2/health/(live|ready)|v2/models/[^/]+/ready)$")
@@ -32,6 +32,12 @@ _OPEN = re.compile(r"^/(health|metrics|v2/health/(live|ready)|v2/models/[^/]+/re
 def open_path(path: str) -> bool:
     """Whether a path is served without a key (the probes and /metrics)."""
     return bool(_OPEN.match(path))
+
+
+def current_key_id() -> str | None:
+    """The first 12 hex digits of the SHA-256 of the request's API key (usage records name the key by it); None
+    when the server takes no keys."""
+    return structlog.contextvars.get_contextvars().get("key_id")
 
 
 def current_tenant() -> str | None:
@@ -54,26 +60,32 @@ class ApiKeys:
         self._tenants = tenants
         self._rate_limit_headers = rate_limit_headers
 
-    def _allowed(self, scope: Scope) -> tuple[bool, str | None]:
-        """Whether the request may in, and the tenant its key belongs to."""
+    def _allowed(self, scope: Scope) -> tuple[bool, bytes | None, str | None]:
+        """Whether the request may in, its key, and the tenant the key belongs to."""
         if open_path(scope["path"]):
-            return True, None
+            return True, None, None
         authorization = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, key = authorization.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False, None
+            return False, None, None
         key = key.strip()
         if self._tenants is not None and (tenant := self._tenants.of_key(key)) is not None:
-            return True, tenant
+            return True, key, tenant
         # Compare with every key, in constant time, so that timing tells nothing about them.
-        return any([hmac.compare_digest(key, k) for k in self._keys]), None
+        return any([hmac.compare_digest(key, k) for k in self._keys]), key, None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        allowed, tenant = self._allowed(scope) if scope["type"] in ("http", "websocket") else (True, None)
-        if tenant is not None:
-            tokens = structlog.contextvars.bind_contextvars(tenant=tenant)
+        if scope["type"] not in ("http", "websocket"):
+            await self._app(scope, receive, send)
+            return
+        allowed, key, tenant = self._allowed(scope)
+        if allowed and key is not None:
+            tokens = structlog.contextvars.bind_contextvars(key_id=digest_of(key)[:12])
+            if tenant is not None:
+                tokens |= structlog.contextvars.bind_contextvars(tenant=tenant)
+                send = self._with_rate_limits(send, tenant)
             try:
-                await self._app(scope, receive, self._with_rate_limits(send, tenant))
+                await self._app(scope, receive, send)
             finally:
                 structlog.contextvars.reset_contextvars(**tokens)
         elif allowed:

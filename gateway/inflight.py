@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from bus.prefixes import prefix_hashes
@@ -52,7 +52,14 @@ class InFlight:
         # Told the tokens its events bring (its prompt's once, whatever the attempts, and each generated one).
         self.on_tokens: Callable[[int], None] | None = None
         self.prepaid_tokens = 0  # charged to its tenant's fair share when sent, before its worker counted them
-        self._prompt_counted = False
+        # Awaited with its last event, before the client gets it (its usage record: gateway/usage.py).
+        self.on_end: Callable[[TokenEvent], Awaitable[None]] | None = None
+        # Its prompt's tokens, and of them those found cached, as its first worker counted them (the worker it
+        # fails over to counts the tokens generated before as prompt too).
+        self.prompt_tokens: int | None = None
+        self.cached_prompt_tokens = 0
+        self.first_token_at: float | None = None  # time.time()
+        self.stopped = False  # by stopInfer
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     @functools.cached_property
@@ -100,15 +107,19 @@ class InFlight:
             except TimeoutError:
                 event = self._expired()
                 self.finished = True
+            if self.finished and self.on_end is not None:
+                await self.on_end(event)
             self.timer.event(event, time.time())
             yield event
 
     def _count_tokens(self, event: TokenEvent) -> None:
-        if self.on_tokens is None:
-            return
-        prompt = 0 if self._prompt_counted else event.prompt_tokens or 0
-        self._prompt_counted = self._prompt_counted or event.prompt_tokens is not None
-        if counted := prompt + len(event.token_ids):
+        prompt = 0
+        if self.prompt_tokens is None and event.prompt_tokens is not None:
+            prompt = self.prompt_tokens = event.prompt_tokens
+            self.cached_prompt_tokens = event.cached_prompt_tokens or 0
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.time()
+        if self.on_tokens is not None and (counted := prompt + len(event.token_ids)):
             self.on_tokens(counted)
 
     def stop_unstarted(self) -> None:

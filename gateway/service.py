@@ -26,15 +26,17 @@ import secrets
 import signal
 import time
 import uuid
+from collections.abc import Coroutine
+from typing import Any
 
 import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.peers import PeerClock, send_own_heartbeat
-from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic, tenant_usage_topic
+from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic, tenant_usage_topic, usage_topic
 from gateway import failover
 from gateway.access_log import current_request_id
-from gateway.api_keys import UNAUTHORIZED, current_tenant
+from gateway.api_keys import UNAUTHORIZED, current_key_id, current_tenant
 from gateway.directory import WorkerDirectory
 from gateway.dispatch import Dispatcher
 from gateway.errors import PAYLOAD_TOO_LARGE, ApiError, not_found, unavailable
@@ -44,6 +46,7 @@ from gateway.quotas import SHARE_INTERVAL_S, Quotas
 from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, Tenants
+from gateway.usage import UsageMeter
 from schemas.messages import (
     STREAM_ERRORS,
     AdapterState,
@@ -58,6 +61,7 @@ from schemas.messages import (
     StopClientRequest,
     Task,
     TenantUsage,
+    TokenEvent,
     TokenEvents,
     Tokenization,
     WorkerHeartbeat,
@@ -109,11 +113,12 @@ class GatewayService:
         self._reply_echo = PeerClock(HEARTBEAT_INTERVAL_S, 0.0, LISTENER_STUCK_S, 0.0)
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
-        self._cancelling: set[asyncio.Task] = set()  # cancellations being published
+        self._publishing: set[asyncio.Task] = set()  # cancellations and usage records being published
         self.draining = False
         self.tenants = Tenants(settings.tenants_file) if settings.tenants_file else None
         self._quotas = Quotas(self.gateway_id, time.time(), self.tenants) if self.tenants is not None else None
         self._tenant_of: dict[str, str] = {}  # request id -> its tenant, while it counts in the tenant's use
+        self._usage = UsageMeter(bus, usage_topic(settings.topic_prefix), self.gateway_id)
 
     def _count_from_zero(self, model: str) -> None:
         """A model announced for the first time: its failures and failovers are exported at 0 until they happen."""
@@ -122,7 +127,7 @@ class GatewayService:
 
     async def start(self) -> None:
         await self._bus.create_topics({self._reply_topic: 1, self._control_topic: 1, self._routing_topic: 1})
-        await self._bus.create_topics({self._adapters_topic: 1}, compacted=True)
+        await self._bus.create_topics({self._adapters_topic: 1, self._usage.topic: 1}, compacted=True)
         replies = await self._bus.listen(self._reply_topic)
         control = await self._bus.listen(self._control_topic, replay_s=CONTROL_REPLAY_S)
         routing = await self._bus.listen(self._routing_topic, replay_s=CONTROL_REPLAY_S)
@@ -147,6 +152,7 @@ class GatewayService:
             asyncio.create_task(self._measure_backlogs(), name="measure-backlogs"),
             asyncio.create_task(self._send_heartbeats(), name="heartbeats"),
             asyncio.create_task(self._check_failovers(), name="check-failovers"),
+            asyncio.create_task(self._usage.run(), name="resend-usage"),
         ]
         log.info("gateway_started", gateway_id=self.gateway_id, reply_topic=self._reply_topic)
 
@@ -154,7 +160,8 @@ class GatewayService:
         if self.tenants is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
-        await asyncio.gather(*self._cancelling, return_exceptions=True)
+        await asyncio.gather(*self._publishing, return_exceptions=True)
+        await self._usage.resend()
         await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
         for task in self._tasks:
             task.cancel()
@@ -403,6 +410,7 @@ class GatewayService:
             raise self._refused(model, refusal.message, reason=refusal.limit, retry_after_s=refusal.retry_after_s)
         inflight = self.inflight.open(request, client_id or request.request_id)
         inflight.on_tokens = functools.partial(self._tokens_served, inflight)
+        inflight.on_end = functools.partial(self._record_usage, inflight, current_key_id())
         if tenant is not None:
             self._tenant_of[request.request_id] = tenant_name
         try:
@@ -462,6 +470,12 @@ class GatewayService:
         if (tenant := inflight.request.tenant) is not None:
             self._quotas.tokens(tenant, count, time.time())
 
+    async def _record_usage(self, inflight: InFlight, key_id: str | None, last: TokenEvent | None) -> None:
+        """Publish the request's usage record (gateway/usage.py), unless it has one; `last`: its last event, or
+        None for a request dropped before its end."""
+        if (record := self._usage.record(inflight, last, key_id)) is not None:
+            await self._usage.publish(record)
+
     def _tenant_ended(self, request_id: str) -> None:
         """The request no longer counts among its tenant's requests in flight (once, however often called)."""
         if (tenant := self._tenant_of.pop(request_id, None)) is not None:
@@ -508,6 +522,7 @@ class GatewayService:
     async def _stop(self, requests: list[InFlight]) -> None:
         """stopInfer: a request waiting in the gateway ends here; one a worker has is cancelled there."""
         for inflight in requests:
+            inflight.stopped = True
             if self._dispatcher.release(inflight):
                 inflight.stop_unstarted()
                 self._metrics.cancelled(inflight.request.model, "stopInfer")
@@ -540,9 +555,10 @@ class GatewayService:
     def finish(self, inflight: InFlight) -> None:
         """Forget a request; if its worker may still run it (client gone, deadline), tell it to stop.
 
-        The cancellation is published by a task of its own: the caller is
-        often being cancelled itself (its client left), which would cut an
-        awaited publish short.
+        The cancellation (and the usage record of a request dropped before its
+        end) is published by a task of its own: the caller is often being
+        cancelled itself (its client left), which would cut an awaited publish
+        short.
         """
         self.inflight.close(inflight.request.request_id)
         self._tenant_ended(inflight.request.request_id)
@@ -550,12 +566,19 @@ class GatewayService:
         held = self._dispatcher.release(inflight)  # then no worker has it
         self._failover.forget(inflight, told_to_stop=not (inflight.worker_ended or held))
         inflight.timer.end(CLIENT_GONE, time.time())  # unless its last event ended it already
+        if inflight.on_end is not None and not inflight.finished:  # dropped before its end: cancelled
+            self._in_background(inflight.on_end(None))
+        self._usage.forget(inflight)
         if inflight.worker_ended or held:
             return
         reason = "deadline passed" if inflight.finished else CLIENT_GONE
-        task = asyncio.create_task(self._cancel_quietly(inflight, reason))
-        self._cancelling.add(task)
-        task.add_done_callback(self._cancelling.discard)
+        self._in_background(self._cancel_quietly(inflight, reason))
+
+    def _in_background(self, publishing: Coroutine[Any, Any, None]) -> None:
+        """Publish in a task of its own, which stop() waits for."""
+        task = asyncio.create_task(publishing)
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
 
     async def _cancel_quietly(self, inflight: InFlight, reason: str) -> None:
         try:

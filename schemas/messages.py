@@ -243,6 +243,7 @@ class TokenEvent(BaseModel):
     token_ids: list[int] = []
     text: str = ""  # the new text these tokens complete; never half a character
     prompt_tokens: int | None = None  # on the first event
+    cached_prompt_tokens: int | None = None  # on the first event: of the prompt, found in the prefix cache
     # On the first event when sampling.prompt_logprobs is set: the prompt's tokens.
     prompt: list[TokenInfo] | None = None
     logprobs: list[TokenInfo] | None = None  # when sampling.logprobs is set: one per token of token_ids
@@ -434,6 +435,37 @@ class TenantUsage(_Message):
     tenants: dict[str, TenantUse] = {}
 
 
+UsageOutcome = Literal["finished", "cancelled", "timed_out", "failed"]
+
+
+class UsageRecord(_Message):
+    """One request's use, for billing: on the usage topic, keyed by its request id (gateway/usage.py).
+
+    The gateway that answered it publishes it once, before the client sees
+    the request's last event (or when the client leaves). The topic is
+    compacted and `tokenrelay usage` keeps one record per key, so a record
+    published twice (a producer's retry) counts once.
+    """
+
+    kind: Literal["usage"] = "usage"
+    request_id: str  # the generation's id (GenerationRequest.request_id)
+    trace_id: str = ""  # the HTTP request's (X-Request-Id), which OpenAI's n choices share
+    tenant: str | None = None
+    key_id: str | None = None  # the first 12 hex digits of the API key's SHA-256; None without keys
+    model: str
+    adapter: str | None = None
+    task: Task = "generate"
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0  # generated and delivered to the gateway
+    arrival: float  # unix times: the gateway received it, its first token came, it ended
+    first_token_at: float | None = None
+    ended_at: float
+    outcome: UsageOutcome
+    attempts: int = 1  # workers it ran on (a failover adds one)
+    gateway_id: str
+
+
 BusMessage = Annotated[
     GenerationRequest
     | TokenEvents
@@ -444,7 +476,8 @@ BusMessage = Annotated[
     | StopClientRequest
     | StopAnswer
     | AdapterState
-    | TenantUsage,
+    | TenantUsage
+    | UsageRecord,
     Field(discriminator="kind"),
 ]
 _bus_message = TypeAdapter(BusMessage)

@@ -131,3 +131,17 @@ def metric(text: str, name: str, **labels: str) -> float:
             if sample.name == name and sample.labels == labels:
                 return sample.value
     return 0.0
+
+
+def usage_of(bootstrap: str, topic_prefix: str) -> dict:
+    """`tokenrelay usage --period all --json` of these topics: the usage records read, the requests they are of,
+    and one row per tenant."""
+    run = subprocess.run(
+        [TOKENRELAY, "usage", "--kafka-bootstrap", bootstrap, "--topic-prefix", topic_prefix, "--period", "all"]
+        + ["--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

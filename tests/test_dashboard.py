@@ -35,6 +35,9 @@ PANELS = {
     "Timeouts",
     "Requests by outcome",
     "HTTP 4xx / 5xx answers",
+    "Tokens by tenant",
+    "Requests by tenant and outcome",
+    "Requests in flight by tenant",
 }
 # What a family of each type exports (prometheus_client's text format; `_created` aside).
 SUFFIXES = {
@@ -157,7 +160,12 @@ def test_every_selector_filters_by_the_model_variable_where_its_metric_has_a_mod
                 assert 'model=~"$model"' in matchers, (title, target["expr"])
             else:
                 unfiltered.append(name)
-    assert unfiltered == ["tokenrelay_gateway_http_responses_total"] * 2  # by route and status: no model to filter
+    # By route and status, and by tenant: no model to filter.
+    tenants = ["tokenrelay_gateway_tenant_tokens_total", "tokenrelay_gateway_tenant_requests_total"]
+    assert unfiltered == ["tokenrelay_gateway_http_responses_total"] * 2 + [
+        *tenants,
+        "tokenrelay_gateway_tenant_in_flight",
+    ]
 
 
 def test_http_errors_are_shown_by_status_class_and_as_0_before_the_first(dashboard):

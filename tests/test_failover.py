@@ -19,7 +19,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.processes import Process, free_port, wait_ready
+from tests.processes import Process, free_port, usage_of, wait_ready
 from tests.vision_models import data_uri
 from tokenrelay.bench.chaos import FAILURES, PROMPTS, Kind, Workers, run_chaos
 from tokenrelay.topology import tokenrelay_processes
@@ -230,3 +230,9 @@ def test_forty_seconds_of_chaos_lose_nothing(kafka_bootstrap, topic_prefix, tmp_
     print(result)  # the counts, for the CI log
     assert result["workers_killed"] == 3 and result["requests"] > 40, result
     assert {o: result[o] for o in FAILURES} == dict.fromkeys(FAILURES, 0), result
+    # Usage, metered once per request whatever the kills: one record for each stream the clients saw end (none
+    # twice), and as many output tokens as they received.
+    usage = usage_of(kafka_bootstrap, topic_prefix)
+    (row,) = usage["rows"]
+    assert usage["records"] == usage["requests"] == row["finished"] == result["streams_ended"], (usage, result)
+    assert row["output_tokens"] == result["output_tokens"], (usage, result)

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from tests.processes import SIMULATED
+from tests.processes import SIMULATED, usage_of
 from tokenrelay.bench.chaos import FAILURES
 from tokenrelay.bench.rolling import run_rolling, start_fleet
 
@@ -44,3 +44,9 @@ def test_a_rolling_restart_under_load_loses_nothing(kafka_bootstrap, topic_prefi
     workers = [p for p in result["stopped"] if "handed_over" in p]
     assert workers[0]["handed_over"] > 0 and [w["handed_over"] for w in workers[1:]] == [0, 0], workers
     assert result["retried_elsewhere"] > 0, result  # clients met a draining or gone gateway, and went on
+    # Usage, metered once per request through every gateway's restart: one record for each stream the clients
+    # saw end (none twice), and as many output tokens as they received.
+    usage = usage_of(kafka_bootstrap, topic_prefix)
+    (row,) = usage["rows"]
+    assert usage["records"] == usage["requests"] == row["finished"] == result["streams_ended"], (usage, result)
+    assert row["output_tokens"] == result["output_tokens"], (usage, result)

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.processes import SIMULATED, Process, free_port, metric, wait_ready
+from tests.processes import SIMULATED, Process, free_port, metric, usage_of, wait_ready
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -193,3 +193,9 @@ max_tokens = 8
     assert (reloaded["added"], reloaded["removed"]) == (["late"], ["leaving", "narrow"])
     assert late.status_code == 200 and gone.status_code == 401
     assert len(events) == 300  # the stream of the removed tenant's key ran to its end
+    # Each request's use, on the usage topic under its tenant and key: the capped one's 8 tokens, the stream's 300.
+    rows = {row["tenant"]: row for row in usage_of(kafka_bootstrap, topic_prefix)["rows"]}
+    assert sorted(rows) == ["capped", "late", "leaving"]  # the narrow tenant's request was refused: not served
+    assert (rows["capped"]["finished"], rows["capped"]["output_tokens"]) == (1, 8)
+    assert (rows["leaving"]["finished"], rows["leaving"]["output_tokens"]) == (1, 300)
+    assert (rows["late"]["finished"], rows["late"]["output_tokens"]) == (1, 4)

@@ -24,6 +24,11 @@ def main(argv: list[str] | None = None) -> None:
         except KeyboardInterrupt:  # Ctrl-C ends a benchmark (its processes stopped on the way out), quietly
             sys.exit(130)
         return
+    if args.command == "usage":
+        from tokenrelay import usage
+
+        logs.configure("warning", process="usage")
+        sys.exit(usage.main(args))
     logs.configure(args.log_level, process=args.command)
     if args.command == "up":
         from tokenrelay import topology

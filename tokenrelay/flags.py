@@ -30,6 +30,7 @@ _DESCRIPTION = """\
     tokenrelay worker    a model worker on Kafka
     tokenrelay simulate  many simulated workers in one process, on Kafka
     tokenrelay up        gateways and workers on one Kafka, on this machine
+    tokenrelay usage     the usage topic summed per tenant and period
     tokenrelay bench     benchmarks (engine, serve, chaos, rolling, scale, priority, tenants, profile, kernels, shard)
 
 Every flag can also come from the environment: `--served-model-name` is
@@ -444,6 +445,18 @@ def build_parser() -> _Parser:
     _option(up, "--worker-args", default="", help="more flags for every worker, as one string")
     _option(up, "--gateway-args", default="", help="more flags for every gateway, as one string")
     _option(up, "--log-dir", default="", help="where each process logs; empty: a temporary directory")
+    usage = commands.add_parser(
+        "usage",
+        help="the usage topic summed per tenant and period: requests, prompt, cached and output tokens",
+        description="Read every usage record on the Kafka topic <prefix>.usage (one per request, published by "
+        "the gateway that answered it) and sum them per tenant and --period of their end, each request once.",
+    )
+    _option(usage, "--kafka-bootstrap", required=True, help="Kafka bootstrap servers, HOST:PORT[,HOST:PORT]")
+    _topic_options(usage)
+    _option(usage, "--period", default="day", choices=["hour", "day", "month", "all"], help="rows per tenant per")
+    _option(usage, "--since", default="", help="requests that ended at or after this ISO 8601 time (UTC if bare)")
+    _option(usage, "--until", default="", help="requests that ended before this ISO 8601 time (UTC if bare)")
+    _option(usage, "--json", action="store_true", default=False, help="one JSON object instead of a table")
     bench = commands.add_parser(
         "bench",
         help="benchmarks: `tokenrelay bench "

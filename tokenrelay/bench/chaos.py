@@ -117,6 +117,11 @@ async def stream(client: httpx.AsyncClient, url: str, kind: Kind) -> Stream:
     return Stream("".join(texts), counts, times)
 
 
+def received(got: Stream) -> int:
+    """The tokens a stream brought its client."""
+    return got.counts[-1] if got.counts else 0
+
+
 def resume_delays(streams: list[Stream], kills: list[float], broken_gap_s: float) -> list[float]:
     """Per stream broken by a kill (no token for `broken_gap_s` around it): seconds from the kill to its next token."""
     delays = []
@@ -253,6 +258,9 @@ async def run_chaos(
         },
         "requests": sum(tally[o] for o in OUTCOMES),
         **{outcome: tally[outcome] for outcome in OUTCOMES},
+        # Every stream that ended as the client saw it, the references included, and the tokens they brought.
+        "streams_ended": len(references) + len(finished),
+        "output_tokens": sum(received(s) for s in [*references, *finished]),
         "workers_killed": tally["kills"],
         "errors": dict(errors),
     }

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from tokenrelay.bench.chaos import FAILURES, OUTCOMES, Refused, judge, kinds, stream
+from tokenrelay.bench.chaos import FAILURES, OUTCOMES, Refused, judge, kinds, received, stream
 from tokenrelay.topology import free_port, local_broker, spawn, wait_ready
 
 _HURRY_AFTER_S = 0.05  # the second SIGTERM, after the first, of the worker whose drain is cut short
@@ -160,7 +160,10 @@ async def run_rolling(
             kind = n % len(request_kinds)
             while True:
                 try:
-                    return judge(await stream(client, endpoint(n), request_kinds[kind]), references[kind])
+                    got = await stream(client, endpoint(n), request_kinds[kind])
+                    tally["streams_ended"] += 1
+                    tally["output_tokens"] += received(got)
+                    return judge(got, references[kind])
                 except Refused:  # before anything was sent to a worker
                     tally["retried"] += 1
                     n += 1
@@ -203,6 +206,9 @@ async def run_rolling(
         "requests": sum(tally[o] for o in OUTCOMES),
         **{outcome: tally[outcome] for outcome in OUTCOMES},
         "retried_elsewhere": tally["retried"],
+        # Every stream that ended as the client saw it, the references included, and the tokens they brought.
+        "streams_ended": len(references) + tally["streams_ended"],
+        "output_tokens": sum(received(r) for r in references) + tally["output_tokens"],
         "stopped": stopped,
         "errors": dict(errors),
     }

@@ -243,8 +243,9 @@ class Scheduler:
         if sequence.admitted_at is None:
             sequence.admitted_at = now
             self.fair_share.charge(sequence.request.tenant, sequence.request.tenant_weight, len(sequence.prompt_ids))
+            sequence.cached_prompt_tokens = min(sequence.num_cached_tokens, len(sequence.prompt_ids))
             self.prompt_tokens += len(sequence.prompt_ids)
-            self.cached_prompt_tokens += min(sequence.num_cached_tokens, len(sequence.prompt_ids))
+            self.cached_prompt_tokens += sequence.cached_prompt_tokens
 
 
 def _decodes(sequence: Sequence) -> bool:

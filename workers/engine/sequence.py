@@ -38,6 +38,7 @@ class Sequence:
     num_cached_tokens: int = 0  # leading tokens whose KV is in the cache
     waiting_since: float = field(default_factory=time.monotonic)  # for priority aging
     admitted_at: float | None = None  # first scheduled
+    cached_prompt_tokens: int = 0  # of its prompt, found in the prefix cache when first scheduled
     admitted_urgency: float = 0.0  # its aged priority when last admitted (see Scheduler._victim)
     last_token_at: float | None = None
     preemptions: int = 0
@@ -160,6 +161,7 @@ class Sequence:
             token_ids=[token_id],
             text=text,
             prompt_tokens=len(self.prompt_ids) if first else None,
+            cached_prompt_tokens=self.cached_prompt_tokens if first else None,
             prompt=self._prompt_infos() if first and self.request.sampling.prompt_logprobs is not None else None,
             logprobs=None if scored is None else [self._token_info(token_id, scored)],
             prefill_time_ms=since_previous * 1000 if first_of_request else None,
