@@ -49,7 +49,9 @@ class Tenant(BaseModel):
     # this one. Lowered rather than refused: MindIE's clients send a priority as a wish, and a tenant's request
     # should not fail because its client always asks for 1.
     max_priority: int = Field(PRIORITIES[0], ge=PRIORITIES[0], le=PRIORITIES[-1])
-    models: list[str] = []  # the models and adapters it may call, by their served names; empty: all
+    # The models it may call, by their canonical (first served) names, whatever alias a request uses; and the
+    # adapters, by name. Empty: all.
+    models: list[str] = []
     max_tokens: int | None = Field(None, ge=1)  # a ceiling on tokens generated per request
 
     @field_validator("keys")
