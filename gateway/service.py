@@ -13,17 +13,15 @@ that stops sending them) and to its own reply topic: a listener that does not
 hear its own gateway's heartbeats for a while is stuck, and is rebuilt.
 Draining (SIGTERM) refuses new requests with 503 while those in flight end.
 With a tenants file, it admits each tenant's requests within the tenant's
-allowance and limits, sharing its tenants' use with the other gateways on the
-tenant-usage topic (tenants.py, quotas.py); SIGHUP reads the file again.
+allowance and limits (tenancy.py); every request ends with one usage record
+on the usage topic (usage.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import secrets
-import signal
 import time
 import uuid
 from collections.abc import Coroutine
@@ -33,19 +31,19 @@ import structlog
 
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.peers import PeerClock, send_own_heartbeat
-from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic, tenant_usage_topic, usage_topic
+from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic, usage_topic
 from gateway import failover
 from gateway.access_log import current_request_id
-from gateway.api_keys import UNAUTHORIZED, current_key_id, current_tenant
+from gateway.api_keys import current_key_id
 from gateway.directory import WorkerDirectory
 from gateway.dispatch import Dispatcher
 from gateway.errors import PAYLOAD_TOO_LARGE, ApiError, not_found, unavailable
 from gateway.failover import CHECK_EVERY_S, Failover
 from gateway.inflight import InFlight, InFlightRegistry
-from gateway.quotas import SHARE_INTERVAL_S, Quotas
 from gateway.router import Router
 from gateway.settings import GatewaySettings
-from gateway.tenants import Tenant, Tenants
+from gateway.tenancy import Tenancy
+from gateway.tenants import Tenants
 from gateway.usage import UsageMeter
 from schemas.messages import (
     STREAM_ERRORS,
@@ -60,7 +58,6 @@ from schemas.messages import (
     StopAnswer,
     StopClientRequest,
     Task,
-    TenantUsage,
     TokenEvent,
     TokenEvents,
     Tokenization,
@@ -86,8 +83,6 @@ LISTENER_STUCK_S = 10.0  # this many seconds of own heartbeats taken by the brok
 CONTROL_REPLAY_S = 10.0
 # How long a stopInfer waits for another gateway to say it stopped the request, before answering 404.
 STOP_ANSWER_TIMEOUT_S = 1.0
-TENANTS_FILE_CHECK_S = 1.0  # how often the tenants file is looked at for a change
-FORBIDDEN = "Forbidden"
 
 
 class GatewayService:
@@ -99,7 +94,6 @@ class GatewayService:
         self._control_topic = control_topic(settings.topic_prefix)
         self._routing_topic = routing_topic(settings.topic_prefix)
         self._adapters_topic = adapters_topic(settings.topic_prefix)
-        self._usage_topic = tenant_usage_topic(settings.topic_prefix)
         self._metrics = metrics_of("gateway")
         self.directory = WorkerDirectory(on_new_model=self._count_from_zero)
         self.inflight = InFlightRegistry()
@@ -115,9 +109,11 @@ class GatewayService:
         self._tasks: list[asyncio.Task] = []
         self._publishing: set[asyncio.Task] = set()  # cancellations and usage records being published
         self.draining = False
-        self.tenants = Tenants(settings.tenants_file) if settings.tenants_file else None
-        self._quotas = Quotas(self.gateway_id, time.time(), self.tenants) if self.tenants is not None else None
-        self._tenant_of: dict[str, str] = {}  # request id -> its tenant, while it counts in the tenant's use
+        self._tenancy = (
+            Tenancy(bus, settings.tenants_file, settings.topic_prefix, self.gateway_id)
+            if settings.tenants_file
+            else None
+        )
         self._usage = UsageMeter(bus, usage_topic(settings.topic_prefix), self.gateway_id)
 
     def _count_from_zero(self, model: str) -> None:
@@ -133,16 +129,10 @@ class GatewayService:
         routing = await self._bus.listen(self._routing_topic, replay_s=CONTROL_REPLAY_S)
         adapters = await self._bus.listen(self._adapters_topic, from_start=True)
         self._listeners = [replies, control, routing, adapters]
-        if self.tenants is not None:
-            await self._bus.create_topics({self._usage_topic: 1}, compacted=True)
-            usage = await self._bus.listen(self._usage_topic, from_start=True)
-            self._listeners.append(usage)
-            self._tasks += [
-                asyncio.create_task(self._watch_usage(usage), name="watch-tenant-usage"),
-                asyncio.create_task(self._share_usage(), name="share-tenant-usage"),
-            ]
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not in the main thread
-                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
+        if self._tenancy is not None:
+            tenants_use, tasks = await self._tenancy.start()
+            self._listeners.append(tenants_use)
+            self._tasks += tasks
         self._tasks += [
             asyncio.create_task(self._watch_adapters(adapters), name="watch-adapters"),
             asyncio.create_task(self._route_replies(replies), name="route-replies"),
@@ -157,9 +147,8 @@ class GatewayService:
         log.info("gateway_started", gateway_id=self.gateway_id, reply_topic=self._reply_topic)
 
     async def stop(self) -> None:
-        if self.tenants is not None:
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        if self._tenancy is not None:
+            self._tenancy.stop()
         await asyncio.gather(*self._publishing, return_exceptions=True)
         await self._usage.resend()
         await self._bus.publish_or_log(self._control_topic, self._heartbeat(leaving=True), "leaving_not_announced")
@@ -226,28 +215,14 @@ class GatewayService:
             if isinstance(message, AdapterState):
                 self.directory.adapter_changed(message)
 
-    async def _watch_usage(self, usage: Listener) -> None:
-        async for message in usage:
-            if isinstance(message, TenantUsage):
-                self._quotas.observe(message)
-
-    async def _share_usage(self) -> None:
-        """Publish this gateway's use by its tenants when it changes; read the tenants file again if it changed."""
-        checked = time.monotonic()
-        while True:
-            await asyncio.sleep(SHARE_INTERVAL_S)
-            if time.monotonic() - checked >= TENANTS_FILE_CHECK_S:
-                self.tenants.reload_if_changed()
-                checked = time.monotonic()
-            if (report := self._quotas.report(time.time())) is not None:
-                await self._bus.publish_or_log(
-                    self._usage_topic, report, "tenant_usage_not_published", key=self.gateway_id
-                )
+    @property
+    def tenants(self) -> Tenants | None:
+        """The tenants of --tenants-file, for the API keys' middleware; None without one."""
+        return self._tenancy.tenants if self._tenancy is not None else None
 
     def rate_limit_headers(self, tenant: str) -> dict[str, str]:
-        """The x-ratelimit-* headers of an answer to a request of the tenant (quotas.py)."""
-        limits = self.tenants.get(tenant) if self.tenants is not None else None
-        return self._quotas.headers(tenant, limits, time.time()) if limits is not None else {}
+        """The x-ratelimit-* headers of an answer to a request of the tenant."""
+        return self._tenancy.rate_limit_headers(tenant) if self._tenancy is not None else {}
 
     async def change_adapter(self, state: AdapterState) -> None:
         """Load or unload a LoRA adapter for the fleet: on the adapters topic, and in this gateway's directory at
@@ -350,9 +325,9 @@ class GatewayService:
         with the prompt (schemas/messages.py), `tokenization` how a tokenize request's prompt is tokenized.
         """
         priority = priority or self._settings.default_priority
-        tenant_name, tenant = self._tenant()
+        tenant_name, tenant = self._tenancy.current() if self._tenancy is not None else (None, None)
         if tenant is not None:
-            sampling, priority = self._within_allowance(model, tenant_name, tenant, sampling, priority)
+            sampling, priority = self._tenancy.within_allowance(model, tenant_name, tenant, sampling, priority)
         now = time.time()
         generation_id = uuid.uuid4().hex
         trace_id = current_request_id() or generation_id
@@ -406,13 +381,11 @@ class GatewayService:
                 reason="waiting limit",
                 waiting=ahead,
             )
-        if tenant is not None and (refusal := self._quotas.admit(tenant_name, tenant, now)) is not None:
+        if tenant is not None and (refusal := self._tenancy.admit(tenant_name, tenant, request.request_id)):
             raise self._refused(model, refusal.message, reason=refusal.limit, retry_after_s=refusal.retry_after_s)
         inflight = self.inflight.open(request, client_id or request.request_id)
         inflight.on_tokens = functools.partial(self._tokens_served, inflight)
         inflight.on_end = functools.partial(self._record_usage, inflight, current_key_id())
-        if tenant is not None:
-            self._tenant_of[request.request_id] = tenant_name
         try:
             await self._dispatcher.dispatch(inflight)
         except (BusUnavailable, UnknownTopic) as error:
@@ -432,43 +405,11 @@ class GatewayService:
         log.warning("request_refused", reason=reason, **counts)
         return ApiError(429, TOO_MANY_REQUESTS, message, headers={"Retry-After": str(retry_after_s)})
 
-    def _tenant(self) -> tuple[str, Tenant] | tuple[None, None]:
-        """The tenant of the request being handled, and its entry; (None, None) for a request of no tenant."""
-        name = current_tenant() if self.tenants is not None else None
-        if name is None:
-            return None, None
-        tenant = self.tenants.get(name)
-        if tenant is None:  # the file was read again since the key was checked, without the tenant
-            raise ApiError(401, UNAUTHORIZED, f"tenant {name} is no longer served: its key is not valid any more")
-        return name, tenant
-
-    @staticmethod
-    def _within_allowance(
-        model: ServedModel, name: str, tenant: Tenant, sampling: SamplingParams, priority: int
-    ) -> tuple[SamplingParams, int]:
-        """The request as its tenant may send it: 403 for a model it may not use; a priority more urgent than
-        its allowance lowered to it, and max_tokens to its ceiling (both logged)."""
-        called = model.adapter or model.name
-        if tenant.models and called not in tenant.models:
-            raise ApiError(
-                403, FORBIDDEN, f"tenant {name} may not use model {called}; it may use {', '.join(tenant.models)}"
-            )
-        if priority < tenant.max_priority:
-            log.info("priority_lowered", tenant=name, asked=priority, priority=tenant.max_priority)
-            priority = tenant.max_priority
-        ceiling = tenant.max_tokens
-        if ceiling is not None and sampling.max_new_tokens > ceiling:
-            log.info("max_tokens_lowered", tenant=name, asked=sampling.max_new_tokens, max_tokens=ceiling)
-            sampling = sampling.model_copy(
-                update={"max_new_tokens": ceiling, "min_tokens": min(sampling.min_tokens, ceiling)}
-            )
-        return sampling, priority
-
     def _tokens_served(self, inflight: InFlight, count: int) -> None:
         """Tokens a request's events brought: for its tenant's fair share, and against its tenant's limits."""
         self._dispatcher.served(inflight, count)
-        if (tenant := inflight.request.tenant) is not None:
-            self._quotas.tokens(tenant, count, time.time())
+        if (tenant := inflight.request.tenant) is not None and self._tenancy is not None:
+            self._tenancy.tokens(tenant, count)
 
     async def _record_usage(self, inflight: InFlight, key_id: str | None, last: TokenEvent | None) -> None:
         """Publish the request's usage record (gateway/usage.py), unless it has one; `last`: its last event, or
@@ -477,9 +418,8 @@ class GatewayService:
             await self._usage.publish(record)
 
     def _tenant_ended(self, request_id: str) -> None:
-        """The request no longer counts among its tenant's requests in flight (once, however often called)."""
-        if (tenant := self._tenant_of.pop(request_id, None)) is not None:
-            self._quotas.ended(tenant)
+        if self._tenancy is not None:
+            self._tenancy.ended(request_id)
 
     async def stop_requests(self, model_name: str, client_id: str) -> bool:
         """stopInfer: cancel the running requests of that client id, here or on another gateway.
