@@ -21,6 +21,7 @@ request topics that all the model's workers share, as before routing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter
 
@@ -31,7 +32,7 @@ from bus.base import Bus, BusUnavailable, UnknownTopic
 from bus.prefixes import prompt_bytes
 from bus.topics import request_topic
 from gateway.inflight import InFlight
-from gateway.router import Router
+from gateway.router import Route, Router
 from schemas.fair_share import FairShare
 from schemas.messages import GenerationRequest
 
@@ -44,6 +45,7 @@ HELD = Gauge(
 )
 _RETRY_S = 0.5  # a held request the bus refused is tried again this soon, or at the next load report
 _BYTES_PER_TOKEN = 4  # a prompt's tokens, until its worker counts them: about 4 bytes of English each
+FAIR_READ_AHEAD = 1  # requests a worker is sent past its room for tenants far below their share
 
 
 class Dispatcher:
@@ -134,17 +136,35 @@ class Dispatcher:
             self._sent(inflight)
         return outcome
 
+    def _choose(self, inflight: InFlight) -> tuple[Route | None, bool]:
+        """The router's choice for the request, and whether it is past the worker's room: for a request whose
+        tenant is far below another's share, by one if need be (the worker preempts for it:
+        schemas/fair_share.py)."""
+        request = inflight.request
+        choice = functools.partial(
+            self._router.choose,
+            request.model,
+            request.priority,
+            inflight.prefix_hashes,
+            inflight.broke_off_on,
+            request.adapter,
+        )
+        if (route := choice()) is not None:
+            return route, False
+        if request.tenant is not None and self._fair_share.far_below(request.tenant):
+            return choice(beyond=FAIR_READ_AHEAD), True
+        return None, False
+
     async def _publish_routed(self, inflight: InFlight, held_since: float) -> str:
         """Publish to the inbox of the worker the router picks: _SENT, _NO_ROOM, _WAITING (for the worker that
         has its prompt cached), or _NO_WORKER (routing is off, or no worker of the model reports)."""
         request = inflight.request
         if self._router is None or not self._router.knows(request.model):
             return _NO_WORKER
-        while (
-            route := self._router.choose(
-                request.model, request.priority, inflight.prefix_hashes, inflight.broke_off_on, request.adapter
-            )
-        ) is not None:
+        while True:
+            route, past_room = self._choose(inflight)
+            if route is None:
+                return _NO_ROOM
             if time.monotonic() - held_since < route.worth_waiting_s:
                 return _WAITING
             self._router.routed(route)  # before the await: requests dispatched meanwhile see it
@@ -166,10 +186,10 @@ class Dispatcher:
                 **request.log_ids(),
                 attempt=request.attempt,
                 worker_id=route.worker_id,
+                past_room=past_room,
                 cached_tokens=route.cached_tokens,
             )
             return _SENT
-        return _NO_ROOM
 
     def _order(self, inflight: InFlight, now: float) -> tuple[int, float, float]:
         request = inflight.request

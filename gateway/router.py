@@ -79,11 +79,11 @@ class _WorkerView:
         """Routed by this gateway, and not in its report yet (a report sent before it read them shows none)."""
         return max(0, self.routed - self.read)
 
-    def room(self, priority: int, ahead: bool = True) -> int:
-        """Requests of `priority` it would take now: free slots and, with `ahead`, its read-ahead; else the running
-        requests it would preempt."""
+    def room(self, priority: int, ahead: bool = True, beyond: int = 0) -> int:
+        """Requests of `priority` it would take now: free slots and, with `ahead`, its read-ahead (and `beyond`
+        more); else the running requests it would preempt."""
         ahead_of_slots = read_ahead(self.load.capacity) if ahead else 0
-        free = self.load.capacity + ahead_of_slots - self.load.running - self.load.waiting - self.unread
+        free = self.load.capacity + ahead_of_slots + beyond - self.load.running - self.load.waiting - self.unread
         if free > 0:
             return free
         return sum(self.load.running_by_priority[priority:])  # running ones it would preempt
@@ -160,12 +160,19 @@ class Router:
         return time.monotonic() - view.heard_at <= STALE_AFTER_REPORTS * view.load.interval_s
 
     def choose(
-        self, model: str, priority: int, hashes: list[int], avoid: str | None = None, adapter: str | None = None
+        self,
+        model: str,
+        priority: int,
+        hashes: list[int],
+        avoid: str | None = None,
+        adapter: str | None = None,
+        beyond: int = 0,
     ) -> Route | None:
         """The worker to route a request to, or None: none has room (or none reported).
 
         `avoid`: a worker to take only if no other has room (the one a failed-over request broke off on);
-        `adapter`: the LoRA adapter the request is generated under.
+        `adapter`: the LoRA adapter the request is generated under; `beyond`: requests a worker may take past its
+        room (one whose tenant is far below its share: the worker preempts for it, schemas/fair_share.py).
         """
         views = [view for view in self._workers.values() if view.load.model == model and self._fresh(view)]
         copies = Counter(name for view in views for name in view.load.adapters)
@@ -182,7 +189,7 @@ class Router:
                 load_tokens, evict_first = _adapter_load(load, copies)
             if load_tokens < least_load and load.worker_id != avoid:
                 least_load, least_load_view = load_tokens, view
-            if view.room(priority, ahead=not load_tokens) <= 0:  # no read-ahead for a load (see above)
+            if view.room(priority, ahead=not load_tokens, beyond=beyond) <= 0:  # no read-ahead for a load (above)
                 continue
             uncached = len(hashes) * CHUNK_BYTES // BYTES_PER_TOKEN - cached
             cost = PREFILL_WEIGHT * (uncached + load_tokens) + view.busy_tokens()

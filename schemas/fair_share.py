@@ -7,8 +7,9 @@ Among waiting requests of the same priority level, those of the tenant with
 the smallest counter go first. A tenant sending ten times another's load
 then gets its weight's share of the tokens, not ten times the other's, and
 the other's requests wait behind their own only. A tenant that had nothing
-here starts again no lower than the least served of those that have
-something, so that idling banks no credit to spend in a burst.
+here starts again no lower than RETURN_CREDIT below the least served of
+those that have something, so that idling banks no more than a request's
+worth of credit to spend in a burst.
 Requests of no tenant share one counter, of weight 1; with no tenants at
 all the order is the aged priority's, as before.
 
@@ -18,12 +19,26 @@ still lifts a request past the fair order of the level it left.
 
 The gateway's held queue (gateway/dispatch.py) and the worker's waiting
 queue and choice of a sequence to preempt (workers/engine/scheduler.py) each
-keep their own counters, on the tokens they see.
+keep their own counters, on the tokens they see. A tenant far below another
+of its priority (FAIR_PREEMPT_MARGIN) does not wait for a slot to free: its
+request goes to a worker beyond the worker's room, where it preempts a
+sequence of the tenant furthest over its share, as a more urgent priority would.
 """
 
 from __future__ import annotations
 
 import math
+
+# How far (in weighted tokens, about a request's worth) a tenant must be below another of the same priority for
+# its request to make room for itself: a gateway sends it to a worker beyond the worker's room, and the worker
+# preempts a sequence of the tenant furthest over (gateway/dispatch.py, workers/engine/scheduler.py). Less, and
+# tenants of near-equal shares would preempt each other back and forth.
+FAIR_PREEMPT_MARGIN = 512
+# What a tenant that had nothing here keeps below the least served of the others when it comes back: one
+# request's worth of credit beyond the margin, so that a light tenant's request (whose tenant is often idle
+# between its requests) starts at once, by preemption if need be, rather than after a heavy tenant's slot frees;
+# never more, so that idling banks no more than that.
+RETURN_CREDIT = 2 * FAIR_PREEMPT_MARGIN
 
 
 def priority_level(urgency: float) -> int:
@@ -41,11 +56,11 @@ class FairShare:
         return self._counters.get(tenant, 0.0)
 
     def arrived(self, tenant: str | None) -> None:
-        """A request of the tenant came. One that had none here starts no lower than the least served of those
-        that have some (or where the last of them left off): credit is not banked while idle."""
+        """A request of the tenant came. One that had none here starts no lower than RETURN_CREDIT below the least
+        served of those that have some (or where the last of them left off): idling banks no more credit."""
         if tenant not in self._active:
             floor = min((self.counter(t) for t in self._active), default=self._idle_floor)
-            self._counters[tenant] = max(self.counter(tenant), floor)
+            self._counters[tenant] = max(self.counter(tenant), floor - RETURN_CREDIT)
         self._active[tenant] = self._active.get(tenant, 0) + 1
 
     def left(self, tenant: str | None) -> None:
@@ -59,6 +74,11 @@ class FairShare:
     def charge(self, tenant: str | None, weight: float, tokens: int) -> None:
         """Tokens served to the tenant."""
         self._counters[tenant] = self.counter(tenant) + tokens / weight
+
+    def far_below(self, tenant: str | None) -> bool:
+        """Whether another active tenant has been served FAIR_PREEMPT_MARGIN more than this one."""
+        most = max((self.counter(t) for t in self._active if t != tenant), default=None)
+        return most is not None and self.counter(tenant) + FAIR_PREEMPT_MARGIN < most
 
     def order(self, tenant: str | None, urgency: float) -> tuple[int, float, float]:
         """The sort key of a waiting request: its priority level, then its tenant's counter, then its urgency."""

@@ -69,6 +69,10 @@ async def test_a_light_tenant_waits_behind_one_heavy_request_not_its_backlog_and
         _closed_loop(base, "key-heavy", 24, until, 40, heavy), _closed_loop(base, "key-light", 2, until, 40, light)
     )
     held = [e for e in gateway.events_named("request_held") if e.get("tenant") == "light"]
+    # Some light requests went to the worker past its room, to preempt a heavy sequence there (its tenant was far
+    # below the heavy one's share: schemas/fair_share.py); no heavy one did.
+    past_room = [e.get("tenant") for e in gateway.events_named("request_routed") if e["past_room"]]
+    assert past_room and set(past_room) == {"light"}, past_room
     assert len(held) >= 5, "the light tenant's requests found the worker busy"
     # Between a light request's hold and its routing, at most two of the heavy tenant's held requests went (the
     # slot it just missed may be followed by one read ahead); first come, first served sends the heavy backlog

@@ -343,3 +343,22 @@ async def test_held_requests_of_one_priority_go_out_by_their_tenants_fair_share_
         for task in tasks:
             task.cancel()
     assert sent == ["h1", "l1", "h2", "h3"]
+
+
+async def test_a_request_of_a_tenant_far_below_another_s_share_goes_past_a_full_worker_s_room_by_one():
+    """The worker is full, and the heavy tenant has been served far more than the light one: the light tenant's
+    request is sent anyway (the worker preempts a heavy sequence for it), once; the heavy tenant's is held."""
+    bus = InProcessBus()
+    await bus.create_topics({"inbox.a": 1})
+    router = Router("replies")
+    dispatcher = Dispatcher(bus, router, "t")
+    router.observe(_load("a", running=4, waiting=1))
+    heavy = InFlight(_request(request_id="h", tenant="heavy"), "h")
+    await dispatcher.dispatch(heavy)
+    dispatcher.served(heavy, 5_000)
+    light = [InFlight(_request(request_id=f"l{i}", tenant="light"), f"l{i}") for i in range(2)]
+    for inflight in light:
+        dispatcher.release(heavy)  # so that each light request is tried at once, not behind the held one
+        await dispatcher.dispatch(inflight)
+    assert [f.worker_id for f in light] == ["a", None]  # one past the room; the next waits for a report
+    assert heavy.worker_id is None

@@ -269,8 +269,9 @@ def _run_until_done(scheduler: Scheduler, blocks: BlockManager, output_tokens: i
 
 
 def test_within_a_priority_a_tenant_s_backlog_does_not_hold_back_a_lighter_tenant():
-    """One slot. The heavy tenant has 6 requests waiting when the light one sends 2: the light ones go next, each
-    after one heavy one, not after the heavy backlog (first come, first served would put them last)."""
+    """One slot. The heavy tenant has 6 requests waiting when the light one sends 2: the light ones go next, not
+    after the heavy backlog (first come, first served would put them last); coming back from idle, the light
+    tenant starts a request's worth of credit below the heavy one (RETURN_CREDIT), enough for both."""
     scheduler, blocks = _scheduler(max_batch=1, num_blocks=64)
     for i in range(6):
         scheduler.add(_sequence([1, 2, 3, 4], name=f"h{i}", tenant="heavy"))
@@ -278,7 +279,7 @@ def test_within_a_priority_a_tenant_s_backlog_does_not_hold_back_a_lighter_tenan
     for i in range(2):
         scheduler.add(_sequence([5, 6, 7, 8], name=f"l{i}", tenant="light"))
     order = _run_until_done(scheduler, blocks, output_tokens=4)
-    assert order == ["heavy", "light", "heavy", "light", "heavy", "heavy", "heavy", "heavy"]
+    assert order == ["heavy", "light", "light", "heavy", "heavy", "heavy", "heavy", "heavy"]
 
 
 def test_tenants_share_a_saturated_slot_by_their_weights():
@@ -323,3 +324,26 @@ def _run_steps(scheduler: Scheduler, blocks: BlockManager, steps: int) -> None:
         for chunk in scheduler.schedule():
             _compute(blocks, chunk.sequence)  # every chunk here reaches its sequence's end
             chunk.sequence.generated.append(1)
+
+
+def test_a_tenant_far_below_another_s_share_preempts_one_of_its_priority_and_near_equal_tenants_do_not():
+    """The heavy tenant's two sequences fill the batch; charged their prompts, they leave the light tenant far
+    below its share: its sequence takes the newest heavy one's place at once (admitted in the same pass, it had
+    computed nothing), and another heavy sequence may not take it back; once the light tenant is within the
+    margin, its next sequence waits for a slot."""
+    scheduler, blocks = _scheduler(max_batch=2, budget=2048, num_blocks=512)
+    heavy = [_sequence(list(range(i, i + 700)), name=f"h{i}", tenant="heavy") for i in range(2)]
+    light = _sequence([4, 5, 6], name="light", tenant="light")
+    for sequence in [*heavy, light]:
+        scheduler.add(sequence)
+    _run_steps(scheduler, blocks, 1)
+    assert light.status is Status.RUNNING and heavy[1].status is Status.WAITING and heavy[0].status is Status.RUNNING
+    assert scheduler.preemptions == 1
+    scheduler.add(_sequence([1, 2, 3], name="more-heavy", tenant="heavy"))
+    _run_steps(scheduler, blocks, 1)
+    assert light.status is Status.RUNNING and scheduler.preemptions == 1
+    scheduler.fair_share.charge("light", 1.0, 1_000)  # now within the margin of heavy: no more preemption
+    near = _sequence([7, 8, 9], name="near", tenant="light")
+    scheduler.add(near)
+    scheduler.schedule()
+    assert near.status is Status.WAITING and scheduler.preemptions == 1

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.quotas import SHARE_INTERVAL_S, STALE_S, Quotas, duration
 from gateway.tenants import Tenants, TenantsFileError, read_tenants_file
-from schemas.fair_share import FairShare, priority_level
+from schemas.fair_share import FAIR_PREEMPT_MARGIN, RETURN_CREDIT, FairShare, priority_level
 
 TOML = """
 rate_window_s = 10
@@ -185,21 +185,24 @@ def test_reset_times_are_written_as_openai_writes_them(seconds, text):
     assert duration(seconds) == text
 
 
-def test_fair_share_counts_tokens_by_weight_and_an_idle_tenant_banks_no_credit():
+def test_fair_share_counts_tokens_by_weight_and_an_idle_tenant_banks_no_more_than_its_return_credit():
     fair = FairShare()
     fair.arrived("a")
-    fair.charge("a", 2.0, 1000)  # weight 2: 1000 tokens count 500
-    fair.arrived("b")  # a is active: b starts level with it, not at 0 with 500 tokens of credit
-    assert (fair.counter("a"), fair.counter("b")) == (500, 500)
-    fair.charge("b", 1.0, 100)
+    fair.charge("a", 2.0, 6000)  # weight 2: 6000 tokens count 3000
+    assert not fair.far_below("a")  # nobody else active
+    fair.arrived("b")  # a is active: b starts RETURN_CREDIT below it, not at 0 with 3000 tokens of credit
+    assert (fair.counter("a"), fair.counter("b")) == (3000, 3000 - RETURN_CREDIT)
+    assert fair.far_below("b") and not fair.far_below("a")
+    fair.charge("b", 1.0, RETURN_CREDIT - FAIR_PREEMPT_MARGIN)  # within the margin of a: no longer far below
+    assert not fair.far_below("b")
     for tenant in ("a", "b"):
-        fair.left(tenant)  # b leaves last, at 600
-    fair.arrived("a")  # nobody active: where the last one left off
-    assert fair.counter("a") == 600
-    fair.charge("a", 2.0, 2)
-    assert fair.order("b", 4.5) < fair.order("a", 4.5)  # within a level, the counter
-    fair.charge("b", 1.0, 10_000)
-    assert fair.order("b", 3.9) < fair.order("a", 4.5)  # a level first, whatever the counters
+        fair.left(tenant)  # b leaves last, at 2488
+    fair.arrived("c")  # nobody active: a credit below where the last one left off
+    assert fair.counter("c") == 3000 - FAIR_PREEMPT_MARGIN - RETURN_CREDIT
+    fair.charge("c", 1.0, 10)
+    assert fair.order("c", 4.5) < fair.order("a", 4.5)  # within a level, the counter
+    fair.charge("c", 1.0, 100_000)
+    assert fair.order("c", 3.9) < fair.order("a", 4.5)  # a level first, whatever the counters
 
 
 @pytest.mark.parametrize(("urgency", "level"), [(5.0, 5), (4.999, 5), (4.0, 4), (0.5, 1), (-1.5, -1)])

@@ -9,7 +9,8 @@ Between steps the scheduler
 - makes room for an urgent sequence that does not fit (batch full, or KV
   blocks short) by preempting the least urgent running one (of a strictly
   lower priority, and of those the one of the tenant furthest over its share;
-  aging does not preempt):
+  aging does not preempt), or one of its own priority whose tenant is far
+  over the sequence's (schemas/fair_share.py):
   its blocks are freed (their KV stays findable in the prefix cache) and it
   waits to be recomputed, seeing only a pause;
 - spends a token budget per step: one token for each decoding sequence, the
@@ -26,7 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from schemas.fair_share import FairShare
+from schemas.fair_share import FAIR_PREEMPT_MARGIN, FairShare
 from schemas.messages import aged_priority
 from workers.engine.adapters import Adapters
 from workers.engine.block_manager import BlockManager, block_content
@@ -120,6 +121,17 @@ class Scheduler:
         eligible = [s for s in self.running if s.priority > priority and s.admitted_urgency > urgency]
         return max(eligible, key=self._preemption_order) if eligible else None
 
+    def _fair_victim(self, candidate: Sequence) -> Sequence | None:
+        """A running sequence of the candidate's priority whose tenant has been served FAIR_PREEMPT_MARGIN more
+        than the candidate's (schemas/fair_share.py): the newest of the tenant furthest over, if any."""
+        floor = self.fair_share.counter(candidate.request.tenant) + FAIR_PREEMPT_MARGIN
+        eligible = [
+            s
+            for s in self.running
+            if s.priority == candidate.priority and self.fair_share.counter(s.request.tenant) > floor
+        ]
+        return max(eligible, key=self._preemption_order) if eligible else None
+
     def _least_urgent_running(self) -> Sequence:
         return max(self.running, key=self._preemption_order)
 
@@ -200,7 +212,7 @@ class Scheduler:
                 continue
             urgency = self._urgency(candidate, now)
             while len(self.running) >= self._config.max_batch_size or not self._blocks.can_allocate(candidate):
-                victim = self._victim(candidate.priority, urgency)
+                victim = self._victim(candidate.priority, urgency) or self._fair_victim(candidate)
                 if victim is None:
                     self.waiting.insert(0, candidate)
                     self.waiting += deferred
