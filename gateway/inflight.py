@@ -60,6 +60,7 @@ class InFlight:
         self.cached_prompt_tokens = 0
         self.first_token_at: float | None = None  # time.time()
         self.stopped = False  # by stopInfer
+        self.usage_recorded = False  # its usage record is made (once: at its end, or when it is dropped)
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
     @functools.cached_property

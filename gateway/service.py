@@ -508,7 +508,6 @@ class GatewayService:
         inflight.timer.end(CLIENT_GONE, time.time())  # unless its last event ended it already
         if inflight.on_end is not None and not inflight.finished:  # dropped before its end: cancelled
             self._in_background(inflight.on_end(None))
-        self._usage.forget(inflight)
         if inflight.worker_ended or held:
             return
         reason = "deadline passed" if inflight.finished else CLIENT_GONE

@@ -46,15 +46,14 @@ class UsageMeter:
         self._bus = bus
         self.topic = topic
         self._gateway_id = gateway_id
-        self._recorded: set[str] = set()  # request ids recorded, while they are in flight
         self._unsent: list[UsageRecord] = []
 
     def record(self, inflight: InFlight, last: TokenEvent | None, key_id: str | None) -> UsageRecord | None:
         """The request's record, the first time it is asked for; None after that."""
-        request = inflight.request
-        if request.request_id in self._recorded:
+        if inflight.usage_recorded:
             return None
-        self._recorded.add(request.request_id)
+        inflight.usage_recorded = True
+        request = inflight.request
         return UsageRecord(
             request_id=request.request_id,
             trace_id=request.trace_id,
@@ -73,10 +72,6 @@ class UsageMeter:
             attempts=request.attempt + 1,
             gateway_id=self._gateway_id,
         )
-
-    def forget(self, inflight: InFlight) -> None:
-        """The request is gone from this gateway: its id need not be remembered any longer."""
-        self._recorded.discard(inflight.request.request_id)
 
     async def publish(self, record: UsageRecord) -> None:
         """Publish now; if the bus refuses, keep it for a later try."""
