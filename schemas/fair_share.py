@@ -75,10 +75,14 @@ class FairShare:
         """Tokens served to the tenant."""
         self._counters[tenant] = self.counter(tenant) + tokens / weight
 
+    def far_over(self, tenant: str | None, other: str | None) -> bool:
+        """Whether `tenant` has been served FAIR_PREEMPT_MARGIN more than `other`: a request of `other` may
+        preempt one of `tenant`'s of the same priority."""
+        return self.counter(tenant) > self.counter(other) + FAIR_PREEMPT_MARGIN
+
     def far_below(self, tenant: str | None) -> bool:
-        """Whether another active tenant has been served FAIR_PREEMPT_MARGIN more than this one."""
-        most = max((self.counter(t) for t in self._active if t != tenant), default=None)
-        return most is not None and self.counter(tenant) + FAIR_PREEMPT_MARGIN < most
+        """Whether some other active tenant is far over this one (far_over)."""
+        return any(self.far_over(other, tenant) for other in self._active)
 
     def order(self, tenant: str | None, urgency: float) -> tuple[int, float, float]:
         """The sort key of a waiting request: its priority level, then its tenant's counter, then its urgency."""

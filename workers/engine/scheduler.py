@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from schemas.fair_share import FAIR_PREEMPT_MARGIN, FairShare
+from schemas.fair_share import FairShare
 from schemas.messages import aged_priority
 from workers.engine.adapters import Adapters
 from workers.engine.block_manager import BlockManager, block_content
@@ -124,11 +124,11 @@ class Scheduler:
     def _fair_victim(self, candidate: Sequence) -> Sequence | None:
         """A running sequence of the candidate's priority whose tenant has been served FAIR_PREEMPT_MARGIN more
         than the candidate's (schemas/fair_share.py): the newest of the tenant furthest over, if any."""
-        floor = self.fair_share.counter(candidate.request.tenant) + FAIR_PREEMPT_MARGIN
+        tenant = candidate.request.tenant
         eligible = [
             s
             for s in self.running
-            if s.priority == candidate.priority and self.fair_share.counter(s.request.tenant) > floor
+            if s.priority == candidate.priority and self.fair_share.far_over(s.request.tenant, tenant)
         ]
         return max(eligible, key=self._preemption_order) if eligible else None
 
