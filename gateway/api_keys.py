@@ -60,8 +60,8 @@ class ApiKeys:
         self._tenants = tenants
         self._rate_limit_headers = rate_limit_headers
 
-    def _allowed(self, scope: Scope) -> tuple[bool, bytes | None, str | None]:
-        """Whether the request may in, its key, and the tenant the key belongs to."""
+    def _allowed(self, scope: Scope) -> tuple[bool, str | None, str | None]:
+        """Whether the request may in, its key's SHA-256 digest, and the tenant the key belongs to."""
         if open_path(scope["path"]):
             return True, None, None
         authorization = dict(scope["headers"]).get(b"authorization", b"")
@@ -69,18 +69,19 @@ class ApiKeys:
         if scheme.lower() != b"bearer":
             return False, None, None
         key = key.strip()
-        if self._tenants is not None and (tenant := self._tenants.of_key(key)) is not None:
-            return True, key, tenant
+        digest = digest_of(key)  # once: the tenant's lookup, and the key id of its logs and usage records
+        if self._tenants is not None and (tenant := self._tenants.of_digest(digest)) is not None:
+            return True, digest, tenant
         # Compare with every key, in constant time, so that timing tells nothing about them.
-        return any([hmac.compare_digest(key, k) for k in self._keys]), key, None
+        return any([hmac.compare_digest(key, k) for k in self._keys]), digest, None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self._app(scope, receive, send)
             return
-        allowed, key, tenant = self._allowed(scope)
-        if allowed and key is not None:
-            tokens = structlog.contextvars.bind_contextvars(key_id=digest_of(key)[:12])
+        allowed, digest, tenant = self._allowed(scope)
+        if allowed and digest is not None:
+            tokens = structlog.contextvars.bind_contextvars(key_id=digest[:12])
             if tenant is not None:
                 tokens |= structlog.contextvars.bind_contextvars(tenant=tenant)
                 send = self._with_rate_limits(send, tenant)

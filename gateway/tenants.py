@@ -136,9 +136,9 @@ class Tenants:
     def get(self, name: str) -> Tenant | None:
         return self._file.tenants.get(name)
 
-    def of_key(self, key: bytes) -> str | None:
-        """The name of the tenant the key belongs to; None if it is no tenant's."""
-        return self._by_digest.get(digest_of(key))
+    def of_digest(self, digest: str) -> str | None:
+        """The name of the tenant whose key has this SHA-256 digest (digest_of); None if it is no tenant's."""
+        return self._by_digest.get(digest)
 
     def reload_if_changed(self) -> None:
         if self._stamp_now() != self._stamp:

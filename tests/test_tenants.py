@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.quotas import SHARE_INTERVAL_S, STALE_S, Quotas, duration
-from gateway.tenants import Tenants, TenantsFileError, read_tenants_file
+from gateway.tenants import Tenants, TenantsFileError, digest_of, read_tenants_file
 from schemas.fair_share import FAIR_PREEMPT_MARGIN, RETURN_CREDIT, FairShare, priority_level
 
 TOML = """
@@ -43,7 +43,7 @@ def _tenants(tmp_path: Path, text: str = TOML, name: str = "tenants.toml") -> Te
 def test_a_tenants_file_in_toml_or_yaml_maps_plain_and_hashed_keys_to_their_tenant(tmp_path):
     tenants = _tenants(tmp_path)
     assert tenants.names() == ["team-a", "team-b"] and tenants.window_s == 10
-    assert [tenants.of_key(k) for k in (b"key-a", b"hashed-key-a", b"key-b", b"key-c", b"sha256:")] == [
+    assert [tenants.of_digest(digest_of(k)) for k in (b"key-a", b"hashed-key-a", b"key-b", b"key-c", b"sha256:")] == [
         "team-a",
         "team-a",
         "team-b",
@@ -57,7 +57,7 @@ def test_a_tenants_file_in_toml_or_yaml_maps_plain_and_hashed_keys_to_their_tena
     assert (b.weight, b.requests_per_minute, b.max_priority, b.models, b.max_tokens) == (1, None, 1, [], None)
     yaml = "tenants:\n  team-y:\n    keys: [key-y]\n    tokens_per_minute: 100\n"
     in_yaml = _tenants(tmp_path, yaml, "tenants.yaml")
-    assert in_yaml.window_s == 60 and in_yaml.of_key(b"key-y") == "team-y"
+    assert in_yaml.window_s == 60 and in_yaml.of_digest(digest_of(b"key-y")) == "team-y"
     assert in_yaml.get("team-y").tokens_per_minute == 100
 
 
@@ -87,10 +87,14 @@ def test_the_file_read_again_lets_a_new_key_in_and_a_removed_one_not_and_a_bad_o
     tenants.reload_if_changed()  # unchanged: nothing read
     _write(path, '[tenants.team-b]\nkeys = ["key-b", "key-new"]\n')
     tenants.reload_if_changed()
-    assert (tenants.of_key(b"key-new"), tenants.of_key(b"key-a"), tenants.names()) == ("team-b", None, ["team-b"])
+    assert (tenants.of_digest(digest_of(b"key-new")), tenants.of_digest(digest_of(b"key-a")), tenants.names()) == (
+        "team-b",
+        None,
+        ["team-b"],
+    )
     _write(path, "[tenants.team-b\n")
     tenants.reload()  # as SIGHUP does
-    assert tenants.of_key(b"key-new") == "team-b"  # the tenants read before stay
+    assert tenants.of_digest(digest_of(b"key-new")) == "team-b"  # the tenants read before stay
 
 
 def _quotas(tmp_path: Path, entry: str, window_s: int = 60, gateway: str = "g1") -> tuple[Quotas, Tenants]:
