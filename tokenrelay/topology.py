@@ -123,6 +123,20 @@ def local_broker(directory: Path, brokers: int = 1) -> Iterator[str]:
         subprocess.run([str(BROKER), "stop", "--dir", str(directory)], check=False)
 
 
+@contextmanager
+def bench_site(prefix: str, log_dir: str, kafka_bootstrap: str) -> Iterator[tuple[Path, str]]:
+    """Where a bench's processes log (`log_dir`, or a temporary directory named by `prefix`) and the Kafka they
+    use (`kafka_bootstrap`, or a local broker with its data there): yields both."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        logs = Path(log_dir or scratch)
+        logs.mkdir(parents=True, exist_ok=True)
+        if kafka_bootstrap:
+            yield logs, kafka_bootstrap
+            return
+        with local_broker(logs / "kafka") as bootstrap:
+            yield logs, bootstrap
+
+
 def up(args: argparse.Namespace) -> int:
     """`tokenrelay up`: run the topology until SIGINT/SIGTERM (0) or until one of its processes dies (1).
 

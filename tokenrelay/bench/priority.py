@@ -16,18 +16,15 @@ import asyncio
 import json
 import multiprocessing
 import statistics
-import tempfile
 import time
 import uuid
-from contextlib import nullcontext
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
-from pathlib import Path
 
 import httpx
 
 from tokenrelay.bench.load import load_client, sse
-from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
+from tokenrelay.topology import bench_site, free_port, tokenrelay_processes, wait_ready
 
 MODEL = "tokenrelay-tiny"
 
@@ -101,24 +98,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", default="", help="keep the processes' logs here; empty: a temporary directory")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="tokenrelay-priority-") as scratch:
-        logs = Path(args.log_dir or scratch)
-        logs.mkdir(parents=True, exist_ok=True)
-        broker = nullcontext(args.kafka_bootstrap) if args.kafka_bootstrap else local_broker(logs / "kafka")
-        with broker as bootstrap:
-            kafka = ["--kafka-bootstrap", bootstrap, "--topic-prefix", f"prio{uuid.uuid4().hex[:8]}"]
-            kafka += ["--log-level", args.log_level]
-            simulated = ["--simulate", args.simulate, "--served-model-name", MODEL] if args.simulate else []
-            port = free_port()
-            commands = [
-                ["worker", *kafka, "--max-batch-size", str(args.batch), *simulated],
-                ["gateway", "--port", str(port), *kafka],
-            ]
-            with tokenrelay_processes(commands, logs) as processes:
-                base = f"http://127.0.0.1:{port}"
-                wait_ready(base, MODEL, processes)
-                time.sleep(1.5)  # the worker's first load report
-                result = asyncio.run(measure(base, args.probes, 2 * args.batch, args.settle))
+    with bench_site("tokenrelay-priority-", args.log_dir, args.kafka_bootstrap) as (logs, bootstrap):
+        kafka = ["--kafka-bootstrap", bootstrap, "--topic-prefix", f"prio{uuid.uuid4().hex[:8]}"]
+        kafka += ["--log-level", args.log_level]
+        simulated = ["--simulate", args.simulate, "--served-model-name", MODEL] if args.simulate else []
+        port = free_port()
+        commands = [
+            ["worker", *kafka, "--max-batch-size", str(args.batch), *simulated],
+            ["gateway", "--port", str(port), *kafka],
+        ]
+        with tokenrelay_processes(commands, logs) as processes:
+            base = f"http://127.0.0.1:{port}"
+            wait_ready(base, MODEL, processes)
+            time.sleep(1.5)  # the worker's first load report
+            result = asyncio.run(measure(base, args.probes, 2 * args.batch, args.settle))
     print(
         f"priority-1 TTFT p50: idle {result['idle_priority1_ttft_ms']} ms, under {result['background_streams']} "
         f"priority-5 streams {result['loaded_priority1_ttft_ms']} ms ({result['loaded_over_idle']}x); "

@@ -40,11 +40,10 @@ import json
 import math
 import os
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,7 +52,7 @@ import httpx
 from bus.topics import routing_topic
 from tokenrelay.bench import plots
 from tokenrelay.bench.load import Outcome, Request, load_client, one_stream, percentiles, sse
-from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
+from tokenrelay.topology import bench_site, free_port, tokenrelay_processes, wait_ready
 from workers.simulated.profile import Profile, StepCost
 
 # The Kafka client and the messages' schemas are imported where they are used, so that `--help` answers at once.
@@ -426,26 +425,22 @@ def main(argv: list[str] | None = None) -> None:
     base = Profile.load(args.profile)
     shown = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "log_dir")}
     report: dict = {"settings": shown, "scale": []}
-    with tempfile.TemporaryDirectory(prefix="tokenrelay-scale-") as scratch:
-        logs = Path(args.log_dir or scratch)
-        logs.mkdir(parents=True, exist_ok=True)
+    with bench_site("tokenrelay-scale-", args.log_dir, args.kafka_bootstrap) as (logs, bootstrap):
         profile_path = _slowed(base, args.slowdown, args.kv_tokens, logs / "profile.json")
-        broker = nullcontext(args.kafka_bootstrap) if args.kafka_bootstrap else local_broker(logs / "kafka")
-        with broker as bootstrap:
-            print(f"profile {base.name} x{args.slowdown} slower, batch {args.max_batch_size}, {args.gateways} gateways")
-            for workers in args.workers:
-                with fleet(args, bootstrap, profile_path, logs, workers, args.max_batch_size, True) as (bases, pids, p):
-                    row = asyncio.run(saturate(args, bootstrap, p, bases, pids, workers))
-                single = report["scale"][0] if report["scale"] else row
-                row["efficiency"] = round(
-                    row["token_throughput"] / (workers * single["token_throughput"] / single["workers"]), 3
-                )
-                report["scale"].append(row)
-                _print_scale(row)
-            if args.chat_workers:
-                report["chat"] = _chat(args, bootstrap, base, logs)
-            if args.adapters:
-                report["adapters"] = _adapters(args, bootstrap, base, logs)
+        print(f"profile {base.name} x{args.slowdown} slower, batch {args.max_batch_size}, {args.gateways} gateways")
+        for workers in args.workers:
+            with fleet(args, bootstrap, profile_path, logs, workers, args.max_batch_size, True) as (bases, pids, p):
+                row = asyncio.run(saturate(args, bootstrap, p, bases, pids, workers))
+            single = report["scale"][0] if report["scale"] else row
+            row["efficiency"] = round(
+                row["token_throughput"] / (workers * single["token_throughput"] / single["workers"]), 3
+            )
+            report["scale"].append(row)
+            _print_scale(row)
+        if args.chat_workers:
+            report["chat"] = _chat(args, bootstrap, base, logs)
+        if args.adapters:
+            report["adapters"] = _adapters(args, bootstrap, base, logs)
     if args.plot:
         print(f"plot written to {plots.scale(report['scale'], plots.target(args.plot, 'scale'))}")
     if args.json:

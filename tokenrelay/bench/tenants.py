@@ -23,16 +23,14 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 import uuid
-from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
 
 from tokenrelay.bench.load import Outcome, Request, one_stream, percentiles
-from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
+from tokenrelay.topology import bench_site, free_port, tokenrelay_processes, wait_ready
 
 MODEL = "tokenrelay-tiny"
 # mix -> tenant -> (weight, streams as a multiple of --streams)
@@ -123,27 +121,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", default="", help="keep the processes' logs here; empty: a temporary directory")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="tokenrelay-tenants-") as scratch:
-        logs = Path(args.log_dir or scratch)
-        logs.mkdir(parents=True, exist_ok=True)
-        broker = nullcontext(args.kafka_bootstrap) if args.kafka_bootstrap else local_broker(logs / "kafka")
-        with broker as bootstrap:
-            kafka = ["--kafka-bootstrap", bootstrap, "--topic-prefix", f"tenants{uuid.uuid4().hex[:8]}"]
-            kafka += ["--log-level", args.log_level]
-            simulated = ["--simulate", args.simulate, "--served-model-name", MODEL] if args.simulate else []
-            keys = [f"key-{t}" for mix in MIXES.values() for t in mix]
-            fair_port, plain_port = free_port(), free_port()
-            commands = [
-                ["worker", *kafka, "--max-batch-size", str(args.batch), *simulated],
-                ["gateway", "--port", str(fair_port), *kafka, "--tenants-file", str(tenants_file(logs / "t.toml"))],
-                ["gateway", "--port", str(plain_port), *kafka, "--api-keys", *keys],
-            ]
-            with tokenrelay_processes(commands, logs) as processes:
-                fair, plain = f"http://127.0.0.1:{fair_port}", f"http://127.0.0.1:{plain_port}"
-                for base in (fair, plain):
-                    wait_ready(base, MODEL, processes)
-                time.sleep(1.5)  # the worker's first load report
-                result = asyncio.run(measure(fair, plain, args))
+    with bench_site("tokenrelay-tenants-", args.log_dir, args.kafka_bootstrap) as (logs, bootstrap):
+        kafka = ["--kafka-bootstrap", bootstrap, "--topic-prefix", f"tenants{uuid.uuid4().hex[:8]}"]
+        kafka += ["--log-level", args.log_level]
+        simulated = ["--simulate", args.simulate, "--served-model-name", MODEL] if args.simulate else []
+        keys = [f"key-{t}" for mix in MIXES.values() for t in mix]
+        fair_port, plain_port = free_port(), free_port()
+        commands = [
+            ["worker", *kafka, "--max-batch-size", str(args.batch), *simulated],
+            ["gateway", "--port", str(fair_port), *kafka, "--tenants-file", str(tenants_file(logs / "t.toml"))],
+            ["gateway", "--port", str(plain_port), *kafka, "--api-keys", *keys],
+        ]
+        with tokenrelay_processes(commands, logs) as processes:
+            fair, plain = f"http://127.0.0.1:{fair_port}", f"http://127.0.0.1:{plain_port}"
+            for base in (fair, plain):
+                wait_ready(base, MODEL, processes)
+            time.sleep(1.5)  # the worker's first load report
+            result = asyncio.run(measure(fair, plain, args))
     print(f"the light tenant alone: TTFT p50 {result['idle_light_ttft_ms']} ms", flush=True)
     for run, tenants in result.items():
         if run == "idle_light_ttft_ms":
