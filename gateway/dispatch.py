@@ -33,7 +33,7 @@ from bus.prefixes import prompt_bytes
 from bus.topics import request_topic
 from gateway.inflight import InFlight
 from gateway.router import Route, Router
-from schemas.fair_share import FairShare
+from schemas.fair_share import RETURN_CREDIT, FairShare
 from schemas.messages import GenerationRequest
 
 log = structlog.get_logger(__name__)
@@ -58,9 +58,10 @@ class Dispatcher:
         # -> since when another worker than the one holding its prompt had room (time.monotonic())
         self._held: dict[InFlight, float] = {}
         self._held_by_model: Counter[str] = Counter()
+        self._held_by_tenant: Counter[str | None] = Counter()
         # Tokens its tenants were served through this gateway: their prompts' estimated when sent (the estimate
         # prepaid, InFlight.prepaid_tokens), then what their events bring beyond it.
-        self._fair_share = FairShare()
+        self._fair_share = FairShare(return_credit=RETURN_CREDIT)
         self._fair_counted: set[InFlight] = set()  # the requests it counts as its tenants' here, until they end
         self._wake = asyncio.Event()
 
@@ -90,6 +91,7 @@ class Dispatcher:
         if self._held_by_model[inflight.request.model] or await self._send(inflight, time.monotonic()) != _SENT:
             self._held[inflight] = time.monotonic()
             self._held_by_model[inflight.request.model] += 1
+            self._held_by_tenant[inflight.request.tenant] += 1
             HELD.labels(inflight.request.model).inc()
             log.info("request_held", **inflight.request.log_ids(), held=len(self._held))
             self._wake.set()  # a wait for a cache ends by the clock, not by a report
@@ -99,6 +101,7 @@ class Dispatcher:
         if self._held.pop(inflight, None) is None:
             return False
         self._held_by_model[inflight.request.model] -= 1
+        self._held_by_tenant[inflight.request.tenant] -= 1
         HELD.labels(inflight.request.model).dec()
         return True
 
@@ -138,8 +141,9 @@ class Dispatcher:
 
     def _choose(self, inflight: InFlight) -> tuple[Route | None, bool]:
         """The router's choice for the request, and whether it is past the worker's room: for a request whose
-        tenant is far below another's share, by one if need be (the worker preempts for it:
-        schemas/fair_share.py)."""
+        tenant is far below another's share and has no other request waiting here, by one if need be (the worker
+        preempts for it: schemas/fair_share.py). A tenant with a backlog here is served by the fair order alone:
+        preempting for it too would give it more than its share."""
         request = inflight.request
         choice = functools.partial(
             self._router.choose,
@@ -151,7 +155,8 @@ class Dispatcher:
         )
         if (route := choice()) is not None:
             return route, False
-        if request.tenant is not None and self._fair_share.far_below(request.tenant):
+        others_held = self._held_by_tenant[request.tenant] - (inflight in self._held)
+        if request.tenant is not None and not others_held and self._fair_share.far_below(request.tenant):
             return choice(beyond=FAIR_READ_AHEAD), True
         return None, False
 
@@ -168,9 +173,9 @@ class Dispatcher:
             if time.monotonic() - held_since < route.worth_waiting_s:
                 return _WAITING
             self._router.routed(route)  # before the await: requests dispatched meanwhile see it
-            sent = request
-            if route.evict_adapters_first:
-                sent = request.model_copy(update={"evict_adapters_first": list(route.evict_adapters_first)})
+            marks = {"evict_adapters_first": list(route.evict_adapters_first)} if route.evict_adapters_first else {}
+            marks |= {"preempt_for_share": True} if past_room else {}
+            sent = request.model_copy(update=marks) if marks else request
             try:
                 await self._bus.publish(route.inbox, sent)
             except UnknownTopic:

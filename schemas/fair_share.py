@@ -20,9 +20,11 @@ still lifts a request past the fair order of the level it left.
 The gateway's held queue (gateway/dispatch.py) and the worker's waiting
 queue and choice of a sequence to preempt (workers/engine/scheduler.py) each
 keep their own counters, on the tokens they see. A tenant far below another
-of its priority (FAIR_PREEMPT_MARGIN) does not wait for a slot to free: its
-request goes to a worker beyond the worker's room, where it preempts a
-sequence of the tenant furthest over its share, as a more urgent priority would.
+of its priority (FAIR_PREEMPT_MARGIN), as a gateway sees it (a gateway sees
+each request from its start to its end), does not wait for a slot to free:
+the gateway sends its request beyond a worker's room, marked so, and the
+worker preempts a sequence of its priority of the tenant furthest over its
+share there, as a more urgent priority would.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ import math
 # preempts a sequence of the tenant furthest over (gateway/dispatch.py, workers/engine/scheduler.py). Less, and
 # tenants of near-equal shares would preempt each other back and forth.
 FAIR_PREEMPT_MARGIN = 512
-# What a tenant that had nothing here keeps below the least served of the others when it comes back: one
-# request's worth of credit beyond the margin, so that a light tenant's request (whose tenant is often idle
-# between its requests) starts at once, by preemption if need be, rather than after a heavy tenant's slot frees;
-# never more, so that idling banks no more than that.
+# What a tenant that had nothing in a gateway keeps below the least served of the others when it comes back
+# there: one request's worth of credit beyond the margin, so that a light tenant's request (whose tenant is
+# often idle between its requests) starts at once, by preemption if need be, rather than after a heavy tenant's
+# slot frees; never more, so that idling banks no more than that.
 RETURN_CREDIT = 2 * FAIR_PREEMPT_MARGIN
 
 
@@ -47,7 +49,11 @@ def priority_level(urgency: float) -> int:
 
 
 class FairShare:
-    def __init__(self) -> None:
+    def __init__(self, return_credit: float = 0.0) -> None:
+        """`return_credit`: how far below the least served a tenant that had nothing here comes back (the
+        gateway's RETURN_CREDIT; a worker, which sees a tenant with nothing while its requests wait in a
+        gateway, gives none)."""
+        self._return_credit = return_credit
         self._counters: dict[str | None, float] = {}
         self._active: dict[str | None, int] = {}  # tenant -> its requests here (waiting, or running)
         self._idle_floor = 0.0  # where a tenant starts when none is active: the counter of the last to leave
@@ -56,11 +62,11 @@ class FairShare:
         return self._counters.get(tenant, 0.0)
 
     def arrived(self, tenant: str | None) -> None:
-        """A request of the tenant came. One that had none here starts no lower than RETURN_CREDIT below the least
-        served of those that have some (or where the last of them left off): idling banks no more credit."""
+        """A request of the tenant came. One that had none here starts no lower than the return credit below the
+        least served of those that have some (or where the last of them left off): idling banks no more."""
         if tenant not in self._active:
             floor = min((self.counter(t) for t in self._active), default=self._idle_floor)
-            self._counters[tenant] = max(self.counter(tenant), floor - RETURN_CREDIT)
+            self._counters[tenant] = max(self.counter(tenant), floor - self._return_credit)
         self._active[tenant] = self._active.get(tenant, 0) + 1
 
     def left(self, tenant: str | None) -> None:
@@ -75,14 +81,9 @@ class FairShare:
         """Tokens served to the tenant."""
         self._counters[tenant] = self.counter(tenant) + tokens / weight
 
-    def far_over(self, tenant: str | None, other: str | None) -> bool:
-        """Whether `tenant` has been served FAIR_PREEMPT_MARGIN more than `other`: a request of `other` may
-        preempt one of `tenant`'s of the same priority."""
-        return self.counter(tenant) > self.counter(other) + FAIR_PREEMPT_MARGIN
-
     def far_below(self, tenant: str | None) -> bool:
-        """Whether some other active tenant is far over this one (far_over)."""
-        return any(self.far_over(other, tenant) for other in self._active)
+        """Whether another active tenant has been served FAIR_PREEMPT_MARGIN more than this one."""
+        return any(self.counter(other) > self.counter(tenant) + FAIR_PREEMPT_MARGIN for other in self._active)
 
     def order(self, tenant: str | None, urgency: float) -> tuple[int, float, float]:
         """The sort key of a waiting request: its priority level, then its tenant's counter, then its urgency."""

@@ -148,6 +148,9 @@ class GenerationRequest(_Message):
     # tenants are served in proportion to their weights (schemas/fair_share.py); None: no tenant's.
     tenant: str | None = None
     tenant_weight: float = Field(default=1.0, gt=0)
+    # Set by a gateway that sent it past the worker's room, its tenant far below another's share: the worker
+    # preempts a sequence of its priority of the tenant furthest over for it (schemas/fair_share.py).
+    preempt_for_share: bool = False
     # A recomputation continues a generation that broke off: this many tokens
     # were generated (and delivered) before, and count towards max_new_tokens.
     tokens_before: int = Field(default=0, ge=0)

@@ -362,3 +362,5 @@ async def test_a_request_of_a_tenant_far_below_another_s_share_goes_past_a_full_
         await dispatcher.dispatch(inflight)
     assert [f.worker_id for f in light] == ["a", None]  # one past the room; the next waits for a report
     assert heavy.worker_id is None
+    sent = await asyncio.wait_for(anext(aiter(await _received(bus, "inbox.a"))), 1)
+    assert (sent.request_id, sent.preempt_for_share) == ("l0", True)  # marked: the worker preempts for it

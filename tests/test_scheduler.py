@@ -17,7 +17,9 @@ class _NoText:
         return ""
 
 
-def _sequence(tokens: list[int], priority: int = 5, name: str = "", tenant: str | None = None, weight=1.0) -> Sequence:
+def _sequence(
+    tokens: list[int], priority: int = 5, name: str = "", tenant: str | None = None, weight=1.0, **marks
+) -> Sequence:
     request = EngineRequest(
         request_id=name or str(id(tokens)),
         model="m",
@@ -27,6 +29,7 @@ def _sequence(tokens: list[int], priority: int = 5, name: str = "", tenant: str 
         deadline=1e12,
         tenant=tenant,
         tenant_weight=weight,
+        **marks,
     )
     from workers.engine.detokenizer import IncrementalDetokenizer
 
@@ -269,9 +272,8 @@ def _run_until_done(scheduler: Scheduler, blocks: BlockManager, output_tokens: i
 
 
 def test_within_a_priority_a_tenant_s_backlog_does_not_hold_back_a_lighter_tenant():
-    """One slot. The heavy tenant has 6 requests waiting when the light one sends 2: the light ones go next, not
-    after the heavy backlog (first come, first served would put them last); coming back from idle, the light
-    tenant starts a request's worth of credit below the heavy one (RETURN_CREDIT), enough for both."""
+    """One slot. The heavy tenant has 6 requests waiting when the light one sends 2: the light ones go each after
+    one heavy one, not after the heavy backlog (first come, first served would put them last)."""
     scheduler, blocks = _scheduler(max_batch=1, num_blocks=64)
     for i in range(6):
         scheduler.add(_sequence([1, 2, 3, 4], name=f"h{i}", tenant="heavy"))
@@ -279,7 +281,7 @@ def test_within_a_priority_a_tenant_s_backlog_does_not_hold_back_a_lighter_tenan
     for i in range(2):
         scheduler.add(_sequence([5, 6, 7, 8], name=f"l{i}", tenant="light"))
     order = _run_until_done(scheduler, blocks, output_tokens=4)
-    assert order == ["heavy", "light", "light", "heavy", "heavy", "heavy", "heavy", "heavy"]
+    assert order == ["heavy", "light", "heavy", "light", "heavy", "heavy", "heavy", "heavy"]
 
 
 def test_tenants_share_a_saturated_slot_by_their_weights():
@@ -326,24 +328,25 @@ def _run_steps(scheduler: Scheduler, blocks: BlockManager, steps: int) -> None:
             chunk.sequence.generated.append(1)
 
 
-def test_a_tenant_far_below_another_s_share_preempts_one_of_its_priority_and_near_equal_tenants_do_not():
-    """The heavy tenant's two sequences fill the batch; charged their prompts, they leave the light tenant far
-    below its share: its sequence takes the newest heavy one's place at once (admitted in the same pass, it had
-    computed nothing), and another heavy sequence may not take it back; once the light tenant is within the
-    margin, its next sequence waits for a slot."""
+def test_a_sequence_a_gateway_sent_past_the_room_preempts_the_tenant_furthest_over_and_no_other_does():
+    """The heavy tenant's two sequences fill the batch. A sequence a gateway sent past this worker's room (its
+    tenant far below the heavy one's share, as the gateway saw it) takes the newest heavy one's place at once;
+    one it did not mark waits for a slot, as does a marked one when every running sequence is its tenant's."""
     scheduler, blocks = _scheduler(max_batch=2, budget=2048, num_blocks=512)
     heavy = [_sequence(list(range(i, i + 700)), name=f"h{i}", tenant="heavy") for i in range(2)]
-    light = _sequence([4, 5, 6], name="light", tenant="light")
-    for sequence in [*heavy, light]:
+    for sequence in heavy:
         scheduler.add(sequence)
     _run_steps(scheduler, blocks, 1)
-    assert light.status is Status.RUNNING and heavy[1].status is Status.WAITING and heavy[0].status is Status.RUNNING
-    assert scheduler.preemptions == 1
-    scheduler.add(_sequence([1, 2, 3], name="more-heavy", tenant="heavy"))
+    for waits in (
+        _sequence([1, 2, 3], name="own", tenant="heavy", preempt_for_share=True),
+        _sequence([1, 2, 3], name="unmarked", tenant="light"),
+    ):
+        scheduler.add(waits)
+        _run_steps(scheduler, blocks, 1)
+        assert waits.status is Status.WAITING and scheduler.preemptions == 0, waits.request_id
+        scheduler.remove(waits)  # (the first in the queue that does not fit stops admission: nothing overtakes it)
+    marked = _sequence([4, 5, 6], name="marked", tenant="light", preempt_for_share=True)
+    scheduler.add(marked)
     _run_steps(scheduler, blocks, 1)
-    assert light.status is Status.RUNNING and scheduler.preemptions == 1
-    scheduler.fair_share.charge("light", 1.0, 1_000)  # now within the margin of heavy: no more preemption
-    near = _sequence([7, 8, 9], name="near", tenant="light")
-    scheduler.add(near)
-    scheduler.schedule()
-    assert near.status is Status.WAITING and scheduler.preemptions == 1
+    assert marked.status is Status.RUNNING and heavy[1].status is Status.WAITING and heavy[0].status is Status.RUNNING
+    assert scheduler.preemptions == 1

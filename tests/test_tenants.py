@@ -190,7 +190,7 @@ def test_reset_times_are_written_as_openai_writes_them(seconds, text):
 
 
 def test_fair_share_counts_tokens_by_weight_and_an_idle_tenant_banks_no_more_than_its_return_credit():
-    fair = FairShare()
+    fair = FairShare(return_credit=RETURN_CREDIT)  # a gateway's
     fair.arrived("a")
     fair.charge("a", 2.0, 6000)  # weight 2: 6000 tokens count 3000
     assert not fair.far_below("a")  # nobody else active

@@ -615,6 +615,7 @@ def engine_request(request: GenerationRequest) -> EngineRequest:
         priority=request.priority,
         tenant=request.tenant,
         tenant_weight=request.tenant_weight,
+        preempt_for_share=request.preempt_for_share,
         prompt_text=request.prompt_text,
         prompt_token_ids=request.prompt_token_ids,
         chat_messages=request.chat_messages,

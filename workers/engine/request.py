@@ -34,6 +34,7 @@ class EngineRequest:
     priority: int = 5  # 1 most urgent
     tenant: str | None = None  # whose it is, for the fair share within a priority (schemas/fair_share.py)
     tenant_weight: float = 1.0
+    preempt_for_share: bool = False  # the gateway sent it past the worker's room (schemas/fair_share.py)
     # The prompt: exactly one of these four.
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None

@@ -122,14 +122,14 @@ class Scheduler:
         return max(eligible, key=self._preemption_order) if eligible else None
 
     def _fair_victim(self, candidate: Sequence) -> Sequence | None:
-        """A running sequence of the candidate's priority whose tenant has been served FAIR_PREEMPT_MARGIN more
-        than the candidate's (schemas/fair_share.py): the newest of the tenant furthest over, if any."""
+        """For a sequence a gateway sent past this worker's room, its tenant far below another's share as the
+        gateway saw it (schemas/fair_share.py: the gateway sees each request whole, where this worker sees a
+        tenant idle while its requests wait in the gateway): a running sequence of its priority and of another
+        tenant, the newest of the tenant this worker has served most; else none."""
+        if not candidate.request.preempt_for_share:
+            return None
         tenant = candidate.request.tenant
-        eligible = [
-            s
-            for s in self.running
-            if s.priority == candidate.priority and self.fair_share.far_over(s.request.tenant, tenant)
-        ]
+        eligible = [s for s in self.running if s.priority == candidate.priority and s.request.tenant != tenant]
         return max(eligible, key=self._preemption_order) if eligible else None
 
     def _least_urgent_running(self) -> Sequence:
