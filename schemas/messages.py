@@ -65,6 +65,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # The prompt token by token, with log-probabilities and this many alternatives each; None: not listed.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Whether a worker that speculates may propose its tokens (the output is the same either way: only its
+    # pace differs); False opts the request out.
+    speculative: bool = True
 
 
 class TextPart(BaseModel):

@@ -5,7 +5,8 @@ that its users' benchmark and evaluation clients send (`ignore_eos`,
 `min_tokens`, `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`,
 `stream_options.continuous_usage_stats`, `priority`: this server's 1–5, 1
-most urgent). Any other field is refused by name (400), so that a client
+most urgent), and this server's `speculative` (false: a speculating worker
+proposes no tokens for the request; the output is the same). Any other field is refused by name (400), so that a client
 never believes a parameter was applied when it was not.
 
 Log-probabilities are the model's raw ones: log-softmax of its logits, before
@@ -88,6 +89,8 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = Field(True, description="Special tokens have no text.")
     include_stop_str_in_output: bool = Field(False, description="The text ends with the stop string.")
     response_format: ResponseFormat | None = Field(None, description="JSON answers: any object, or a schema's.")
+    # tokenrelay's
+    speculative: bool = Field(True, description="false: a speculating worker proposes no tokens for it.")
 
     @field_validator("stop")
     @classmethod
@@ -126,6 +129,7 @@ class _Sampling(BaseModel):
             logprobs=self.top_logprobs_wanted,
             prompt_logprobs=self.prompt_logprobs_wanted,
             grammar=grammar,
+            speculative=self.speculative,
         )
 
     @property

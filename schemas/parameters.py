@@ -3,8 +3,9 @@
 Each route accepts exactly the parameters its source document lists
 (../shared/spec/API.md: "ignores none silently"), or a sibling route's
 document lists, so each has a class that names them; the ranges are the
-contract's. One extension on every route: `grammar` (structured output, in
-TGI's shape), which no MindIE document has a place for. `null` means "not
+contract's. Two extensions on every route: `grammar` (structured output, in
+TGI's shape), which no MindIE document has a place for, and `speculative`
+(false: a speculating worker proposes no tokens for the request). `null` means "not
 given".
 """
 
@@ -66,6 +67,10 @@ class Grammar(BaseModel):
 GrammarParameter = Annotated[
     Grammar | None, Field(description="The text matches this JSON schema or regex (TGI's `grammar`; an extension).")
 ]
+SpeculativeParameter = Annotated[
+    bool | None,
+    Field(description="false: no tokens proposed for it on a speculating worker (same output; an extension)."),
+]
 
 
 class RouteParameters(BaseModel):
@@ -105,6 +110,7 @@ class RouteParameters(BaseModel):
             seed=or_default("seed", seed),
             max_new_tokens=or_default("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
             stop=or_default("stop", []),
+            speculative=or_default("speculative", True),
         )
 
     @property
@@ -139,6 +145,7 @@ class _Queueing(RouteParameters):
 
 class _Structured(RouteParameters):
     grammar: GrammarParameter = None
+    speculative: SpeculativeParameter = None
 
 
 class GenerateParameters(_Everywhere, _TypicalP, _BatchSize, _Queueing, _Structured):

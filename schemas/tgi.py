@@ -20,6 +20,7 @@ from schemas.parameters import (
     RepetitionPenalty,
     RouteParameters,
     Seed,
+    SpeculativeParameter,
     Temperature,
     TopK,
     TopPBelowOne,
@@ -52,6 +53,7 @@ class TgiParameters(RouteParameters):
     )
     watermark: Watermark = None
     grammar: GrammarParameter = None
+    speculative: SpeculativeParameter = None
     best_of: int | None = Field(
         None, gt=0, le=MAX_BEST_OF, description="Sample this many; answer the likeliest (not with seed or stream)."
     )

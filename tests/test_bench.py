@@ -13,7 +13,8 @@ from tests.processes import TOKENRELAY
 from tests.reference import bundled
 from tokenrelay.bench import plots
 from tokenrelay.bench.chaos import OUTCOMES, Kind, Refused, stream
-from tokenrelay.bench.engine import run_static_batches, run_transformers_continuous, workload
+from tokenrelay.bench.engine import run_static_batches, run_transformers_continuous
+from tokenrelay.bench.engine_runs import workload
 from workers.engine.config import EngineConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -157,7 +157,9 @@ def _reference(reference, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out if eos is None else out[: eos + 1]
 
 
-def test_64_greedy_requests_equal_transformers_generate_token_for_token(loaded, reference, harness_with):
+@pytest.mark.parametrize("speculative", ["", "ngram"])
+def test_64_greedy_requests_equal_transformers_generate_token_for_token(loaded, reference, harness_with, speculative):
+    """With prompt lookup's proposals too (workers/engine/speculation.py): the same tokens."""
     rng = random.Random(7)
     shared = [rng.randrange(4, 32000) for _ in range(70)]  # a prefix some prompts share
     workload = []
@@ -166,7 +168,13 @@ def test_64_greedy_requests_equal_transformers_generate_token_for_token(loaded, 
         workload.append((shared + body if i % 4 == 0 else body, rng.randint(3, 40), rng.choice([1, 3, 5])))
     # A cache too small for everyone at once and small prompt chunks: requests are chunked,
     # preempted and recomputed, and prefixes are reused along the way.
-    h = harness_with(max_batch_size=24, max_tokens_per_step=64, max_seq_len=512, kv_cache_bytes=40 * BLOCK_BYTES_F64)
+    h = harness_with(
+        max_batch_size=24,
+        max_tokens_per_step=64,
+        max_seq_len=512,
+        kv_cache_bytes=40 * BLOCK_BYTES_F64,
+        speculative=speculative,
+    )
     ids = []
     for wave in range(4):  # staggered arrivals: each wave joins a running batch
         ids += [h.submit(p, n, priority=prio) for p, n, prio in workload[wave * 16 : (wave + 1) * 16]]
@@ -176,24 +184,36 @@ def test_64_greedy_requests_equal_transformers_generate_token_for_token(loaded, 
         assert _tokens(results[request_id]) == _reference(reference, prompt, max_new), request_id
     stats = h.engine.stats()
     assert stats["preemptions"] > 0 and stats["reused_tokens"] > 0, stats
+    assert (stats["speculative_accepted"] > 10) == bool(speculative), stats
 
 
-def test_the_triton_kernels_and_decode_graphs_equal_transformers_generate(loaded, reference, harness_with):
-    """On the CPU: the kernels interpreted, the graphs' capture replaced by eager replays of their buffers."""
+@pytest.mark.parametrize("speculative", ["", "ngram"])
+def test_the_triton_kernels_and_decode_graphs_equal_transformers_generate(loaded, reference, harness_with, speculative):
+    """On the CPU: the kernels interpreted, the graphs' capture replaced by eager replays of their buffers; with
+    proposals (speculation.py), their verification steps replay the decode graphs too."""
     rng = random.Random(11)
     shared = [rng.randrange(4, 32000) for _ in range(34)]
     workload = [(shared + [rng.randrange(4, 32000) for _ in range(n)], m) for n, m in [(3, 9), (30, 6), (1, 12)]]
     workload += [([rng.randrange(4, 32000) for _ in range(n)], m) for n, m in [(1, 7), (20, 10), (60, 5)]]
+    workload.append((loaded.tokenizer(LONG)["input_ids"], 40))  # text that repeats itself: proposals accepted
     capture = replay_eagerly if TEST_DEVICE.type == "cpu" else None
     # Prompt chunks of at most 48 tokens: long prompts are chunked beside decoding sequences.
-    h = harness_with(attention="triton", graph_capture=capture, max_batch_size=4, max_tokens_per_step=48)
+    h = harness_with(
+        attention="triton",
+        graph_capture=capture,
+        max_batch_size=4,
+        max_tokens_per_step=48,
+        speculative=speculative,
+    )
     ids = [h.submit(*workload[0])]
     h.wait_for_tokens(ids[0], 2)  # the rest joins a running batch, the shared prefix cached; 4 run at once
     ids += [h.submit(p, n) for p, n in workload[1:]]
     results = h.collect(ids)
     for request_id, (prompt, max_new) in zip(ids, workload, strict=True):
         assert _tokens(results[request_id]) == _reference(reference, prompt, max_new), request_id
-    assert h.engine.stats()["reused_tokens"] >= 32  # the shared prefix's full block
+    stats = h.engine.stats()
+    assert stats["reused_tokens"] >= 32, stats  # the shared prefix's full block
+    assert (stats["speculative_accepted"] > 0) == bool(speculative), stats
 
 
 def _mixed_step() -> StepLayout:

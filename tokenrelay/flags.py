@@ -266,6 +266,23 @@ def _model_options(parser: _Parser) -> None:
         default=False,
         help="run decode steps eagerly instead of replaying CUDA graphs (GPU only)",
     )
+    _option(
+        parser,
+        "--speculative",
+        choices=("", "ngram"),
+        default="",
+        help="propose tokens and verify them within each decode step: ngram (prompt lookup, the tokens that "
+        "followed the context's last n-gram earlier); the output is the same, only its pace differs",
+    )
+    _option(
+        parser,
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="tokens proposed per sequence and step, at most (from 1 to 16)",
+    )
+    _option(parser, "--ngram-min", type=int, default=2, help="the shortest n-gram prompt lookup matches (at least 1)")
+    _option(parser, "--ngram-max", type=int, default=4, help="the longest n-gram prompt lookup matches (at most 16)")
 
 
 def _engine_options(parser: _Parser) -> None:

@@ -213,6 +213,7 @@ def _engine(args: argparse.Namespace) -> EngineConfig:
             "kv_cache_bytes": int(args.kv_cache_memory * 2**30) or None,
             "gpu_memory_fraction": args.gpu_memory_fraction,
             "cuda_graphs": not args.no_cuda_graphs,
+            **_speculation(args),
         }
     return EngineConfig(
         max_batch_size=args.max_batch_size or None,
@@ -225,6 +226,21 @@ def _engine(args: argparse.Namespace) -> EngineConfig:
         **_lora_slots(args),
         **loaded,
     )
+
+
+def _speculation(args: argparse.Namespace) -> dict:
+    if not 1 <= args.num_speculative_tokens <= 16:
+        raise CannotStart(f"--num-speculative-tokens {args.num_speculative_tokens}: from 1 to 16")
+    if not 1 <= args.ngram_min <= args.ngram_max <= 16:
+        raise CannotStart(
+            f"--ngram-min {args.ngram_min}, --ngram-max {args.ngram_max}: 1 <= --ngram-min <= --ngram-max <= 16"
+        )
+    return {
+        "speculative": args.speculative,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "ngram_min": args.ngram_min,
+        "ngram_max": args.ngram_max,
+    }
 
 
 def _lora_slots(args: argparse.Namespace) -> dict:

@@ -83,6 +83,21 @@ ADAPTER_LOADS = Counter(
 ADAPTER_EVICTIONS = Counter(
     "tokenrelay_worker_adapter_evictions_total", "LoRA adapters taken out of a device slot for another.", ["model"]
 )
+SPECULATIVE = {  # engine.stats() key -> its counter (workers/engine/speculation.py)
+    "speculative_proposed": Counter(
+        "tokenrelay_worker_speculative_proposed_tokens", "Tokens proposed for verification within a step.", ["model"]
+    ),
+    "speculative_accepted": Counter(
+        "tokenrelay_worker_speculative_accepted_tokens",
+        "Proposed tokens the model's own draws confirmed (acceptance rate: over proposed).",
+        ["model"],
+    ),
+    "speculative_verifications": Counter(
+        "tokenrelay_worker_speculative_verifications",
+        "A sequence's proposals verified in a step (mean accepted length: accepted tokens over these).",
+        ["model"],
+    ),
+}
 _BACKLOG_INTERVAL_S = 5.0
 # A gateway silent this long (three heartbeats) is gone; its requests are cancelled.
 _GATEWAY_SILENCE_S = 3.0
@@ -126,6 +141,7 @@ class Worker:
         self._engine = Engine(loaded, config, self._on_engine_step, on_cache=self._on_cache_change)
         self._config = config = self._engine.config  # with the device's defaults
         self._adapter_counts_seen = AdapterCounts()  # of the engine's, those counted in /metrics
+        self._speculation_seen = dict.fromkeys(SPECULATIVE, 0)  # of the engine's stats, those counted in /metrics
         self._static_adapters = dict(adapters or {})  # --lora: served whatever the adapters topic says
         self._runtime_adapters: dict[str, str] = {}  # loaded at run time (the adapters topic), name -> directory
         self.model = ServedModel(
@@ -409,6 +425,7 @@ class Worker:
                     ADAPTER_TOKENS.labels(self.model.name, taken.delivery.request.adapter).inc(len(event.token_ids))
                 if taken.cancelled_at is not None and computed_at > taken.cancelled_at:
                     TOKENS_AFTER_CANCEL.labels(self.model.name).inc(len(event.token_ids))
+            self._count_speculation()  # before the events go: a client that has them finds them counted
             await asyncio.gather(*(self._publish(topic, batch) for topic, batch in by_gateway.items()))
             finished = False
             for event in events:
@@ -521,6 +538,13 @@ class Worker:
             **self._adapter_slots(),
             "adapter_loads": self._engine.adapters.counts.loads if self._engine.adapters is not None else 0,
         }
+
+    def _count_speculation(self) -> None:
+        stats, seen = self._engine.stats(), self._speculation_seen
+        for key, counter in SPECULATIVE.items():
+            if stats[key] > seen[key]:
+                counter.labels(self.model.name).inc(stats[key] - seen[key])
+                seen[key] = stats[key]
 
     def _adapter_slots(self) -> dict:
         """What the load reports say of the engine's device slots for adapters; its loads and evictions since

@@ -32,30 +32,23 @@ threads, and the whole model gets them all.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import queue
-import random
-import statistics
 import sys
 import tempfile
 import time
-import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from tokenrelay.bench import plots
+from tokenrelay.bench.engine_runs import Request, Result, release, run_engine, timed_result, workload
 from workers.bundled import BUNDLED_MODEL
 
 # torch, transformers and the engine are imported where they are used, so that `--help` answers at once.
 if TYPE_CHECKING:
-    import torch
-
     from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
     from workers.engine.model_loader import LoadedModel
 
 # Randomly initialised Llamas for GPU timing without weights, with the bundled tokenizer's vocabulary:
@@ -77,13 +70,6 @@ LLAMA_8B = dict(
     max_position_embeddings=8192,
     rope_theta=500000.0,
 )
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    output_len: int
-    adapter: tuple[str, str] | None = None  # a LoRA adapter's (name, directory); None: the base model
 
 
 def random_adapters(model, count: int, rank: int, directory: Path) -> list[tuple[str, str]]:
@@ -111,124 +97,8 @@ def random_adapters(model, count: int, rank: int, directory: Path) -> list[tuple
     return adapters
 
 
-@dataclass
-class Result:
-    requests: int  # asked for
-    completed: int  # finished (fewer only when timed out)
-    output_tokens: int  # generated, finished or not
-    seconds: float
-    tokens_per_s: float
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    tpot_ms: float  # median over completed requests of (last token - first token) / (tokens - 1)
-    timed_out: bool = False
-
-
 class _TimedOut(Exception):
     """A baseline ran past its deadline."""
-
-
-def workload(count: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], vocab: int, seed: int):
-    rng = random.Random(seed)
-    return [
-        Request([rng.randrange(4, vocab) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
-        for _ in range(count)
-    ]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def _result(
-    requests: list[Request],
-    started: float,
-    first: list[float | None],
-    last: list[float | None],
-    generated: int | None = None,
-    ended: float | None = None,
-) -> Result:
-    """first/last: each request's first and last token times (None: not reached); a timed-out run gives the
-    tokens it generated and when it was stopped."""
-    done = [(r, f, lt) for r, f, lt in zip(requests, first, last, strict=True) if lt is not None]
-    seconds = (ended if ended is not None else max(lt for _, _, lt in done)) - started
-    tokens = generated if generated is not None else sum(r.output_len for r in requests)
-    per_token = [(lt - f) / (r.output_len - 1) for r, f, lt in done if r.output_len > 1]
-    ttft = [(f - started) * 1000 for f in first if f is not None]
-    return Result(
-        requests=len(requests),
-        completed=len(done),
-        output_tokens=tokens,
-        seconds=round(seconds, 3),
-        tokens_per_s=round(tokens / seconds, 1) if seconds > 0 else 0.0,
-        ttft_p50_ms=round(_percentile(ttft, 0.5), 1),
-        ttft_p99_ms=round(_percentile(ttft, 0.99), 1),
-        tpot_ms=round(statistics.median(per_token) * 1000, 2) if per_token else 0.0,
-        timed_out=generated is not None,
-    )
-
-
-def _release(device: torch.device) -> None:
-    """Give back what a finished run held (an engine's KV cache and graphs), before the next one sizes its own."""
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[Request]) -> Result:
-    from workers.engine.engine import Engine
-
-    events: queue.SimpleQueue = queue.SimpleQueue()
-    engine = Engine(loaded, config, lambda batch: events.put((time.perf_counter(), batch)))
-    engine.start()
-    try:
-        _engine_pass(engine, events, requests[:2])  # warm up
-        ids = [uuid.uuid4().hex for _ in requests]
-        started = time.perf_counter()
-        first, last = _engine_pass(engine, events, requests, ids)
-    finally:
-        engine.stop()
-        del engine
-        _release(loaded.device)
-    return _result(requests, started, [first[i] for i in ids], [last[i] for i in ids])
-
-
-def _engine_pass(engine: Engine, events: queue.SimpleQueue, requests: list[Request], ids: list[str] | None = None):
-    from schemas.messages import SamplingParams
-    from workers.engine.request import EngineRequest
-
-    ids = ids or [uuid.uuid4().hex for _ in requests]
-    now = time.time()
-    for request_id, request in zip(ids, requests, strict=True):
-        sampling = SamplingParams(seed=1, max_new_tokens=request.output_len, ignore_eos=True)
-        engine.submit(
-            EngineRequest(
-                request_id=request_id,
-                model="bench",
-                prompt_token_ids=request.prompt,
-                sampling=sampling,
-                deadline=now + 3600,
-                adapter=request.adapter[0] if request.adapter else None,
-                adapter_path=request.adapter[1] if request.adapter else None,
-            ),
-            time.monotonic(),
-        )
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    while len(last) < len(ids):
-        at, batch = events.get()
-        for event in batch:
-            if event.error is not None:
-                raise RuntimeError(event.error.message)
-            first.setdefault(event.request_id, at)
-            if event.finish_reason is not None:
-                last[event.request_id] = at
-    return first, last
 
 
 class _StepClock:
@@ -294,8 +164,8 @@ def run_static_batches(loaded: LoadedModel, requests: list[Request], batch_size:
                 last[offset + row] = steps[request.output_len - 1]
             generated += min(len(steps), request.output_len)
         if steps and steps[-1] > deadline:
-            return _result(requests, started, first, last, generated, steps[-1])
-    return _result(requests, started, first, last)
+            return timed_result(requests, started, first, last, generated, steps[-1])
+    return timed_result(requests, started, first, last)
 
 
 def run_transformers_continuous(
@@ -345,15 +215,15 @@ def run_transformers_continuous(
     last = [outputs[i].timestamps[-1] if i in outputs else None for i in ids]
     if timed_out:
         generated = sum(len(o.generated_tokens) for o in outputs.values())
-        return _result(requests, started, first, last, generated, deadline)
-    return _result(requests, started, first, last)
+        return timed_result(requests, started, first, last, generated, deadline)
+    return timed_result(requests, started, first, last)
 
 
 def _finished(manager, timeout_s: float):
     """The next finished request's output; None once timeout_s has passed."""
     deadline = time.perf_counter() + timeout_s
     while True:
-        output = manager.get_result(timeout=max(0.0, deadline - time.perf_counter()))
+        output = manager.gettimed_result(timeout=max(0.0, deadline - time.perf_counter()))
         if output is None:
             if time.perf_counter() >= deadline:
                 return None
@@ -440,6 +310,23 @@ def main(argv: list[str] | None = None) -> None:
         "projection), the requests spread over them uniformly",
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="the rank of --loras' adapters")
+    parser.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="instead: the engine with speculative decoding against without, on a copy-heavy workload and on the "
+        "default one, at each --concurrency (see tokenrelay/bench/speculative.py)",
+    )
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: k")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 16], help="with --speculative: the batch sizes compared"
+    )
+    parser.add_argument(
+        "--copy-prompt-len",
+        type=int,
+        default=256,
+        help="with --speculative: the copy-heavy prompts' model-written text",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument(
         "--plot",
@@ -469,6 +356,11 @@ def main(argv: list[str] | None = None) -> None:
         def fresh(impl: str) -> LoadedModel:
             return load_model(args.model, args.device, args.dtype, model_impl=impl)
 
+    if args.speculative:
+        from tokenrelay.bench.speculative import compare
+
+        compare(fresh("native" if args.model_impl == "both" else args.model_impl), args)
+        return
     impls = ["native", "transformers"] if args.model_impl == "both" else [args.model_impl]
     engine_models = {impl: fresh(impl) for impl in impls}
     split = f"native_tp{args.tensor_parallel_size}"
@@ -554,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         _print("transformers_continuous_batching", result, out, progress)
     progress.close()
     del baseline_model
-    _release(engine_model.device)
+    release(engine_model.device)
     for impl, best in engines.items():
         _print(f"engine ({impl}, best)", best, out)
     impl_ratio = tensor_parallel = lora = None

@@ -137,6 +137,16 @@ class BlockManager:
         while len(sequence.block_table) < self.blocks_for(num_tokens):
             sequence.block_table.append(self._take_free())
 
+    def shrink(self, sequence: Sequence, num_tokens: int) -> None:
+        """Free the blocks of the sequence's table past its first `num_tokens` tokens (rejected proposals':
+        speculation.py); nothing registered them, as none was full of computed tokens."""
+        while len(sequence.block_table) > self.blocks_for(num_tokens):
+            block_id = sequence.block_table.pop()
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
     def computed(self, sequence: Sequence, num_cached_tokens: int) -> None:
         """The KV of the sequence's first `num_cached_tokens` tokens now exists: register its full blocks."""
         first_new = sequence.num_cached_tokens // self.block_size

@@ -23,6 +23,10 @@ class EngineConfig:
     max_loras: int = 0  # LoRA adapters in device slots at once, each step's products computed over them; 0: none served
     max_cpu_loras: int | None = None  # adapters kept read in host memory; None: max_loras
     max_lora_rank: int = 64  # the highest adapter rank served (the slots' size)
+    speculative: str = ""  # how tokens are proposed for verification in one step (speculation.py): "", "ngram"
+    num_speculative_tokens: int = 4  # proposed per sequence and step, at most
+    ngram_min: int = 2  # prompt lookup matches the context's last n tokens, n from ngram_max down to ngram_min
+    ngram_max: int = 4
 
     def for_device(self, device_type: str) -> EngineConfig:
         """These settings with every default of the device type ("cpu", "cuda") filled in."""

@@ -35,7 +35,8 @@ from workers.engine.config import EngineConfig
 from workers.engine.request import EngineRequest
 from workers.engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
-from workers.engine.step_output import StepOutput
+from workers.engine.speculation import accepted_length, speculator_for
+from workers.engine.step_output import Scored, StepOutput
 
 log = structlog.get_logger(__name__)
 
@@ -134,6 +135,7 @@ class Engine:
             self._blocks,
             self.adapters,
         )
+        self._speculator = speculator_for(config)
         self._sequences: dict[str, Sequence] = {}
         self.seconds_per_prompt_token = 0.0  # of the steps with prompt chunks, lately (a router weighs waits by it)
         self._inbox: queue.SimpleQueue[Submitted | _Cancel | object] = queue.SimpleQueue()
@@ -174,8 +176,16 @@ class Engine:
         }
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: preemptions, and prompt tokens served from the prefix cache."""
-        return {"preemptions": self._scheduler.preemptions, "reused_tokens": self._blocks.reused_tokens}
+        """Counters since start: preemptions, prompt tokens served from the prefix cache, and speculation's
+        tokens proposed and accepted and its verifications (speculation.py)."""
+        counts = self._speculator.counts if self._speculator is not None else None
+        return {
+            "preemptions": self._scheduler.preemptions,
+            "reused_tokens": self._blocks.reused_tokens,
+            "speculative_proposed": counts.proposed if counts else 0,
+            "speculative_accepted": counts.accepted if counts else 0,
+            "speculative_verifications": counts.verifications if counts else 0,
+        }
 
     def start(self) -> None:
         """Start stepping, in a thread whose log lines carry what the caller's context binds (its worker's id)."""
@@ -326,9 +336,13 @@ class Engine:
 
     def _step(self) -> list[TokenEvent]:
         chunks = self._scheduler.schedule()
+        if self._speculator is not None:
+            chunks = self._speculator.plan(chunks, self._blocks, self._scheduler.step_budget)
         self._yielded_s = 0.0
         started_at = time.monotonic()
         events = self._compute(chunks)
+        if self._speculator is not None and chunks:
+            self._speculator.measured(sum(c.rows for c in chunks), time.monotonic() - started_at - self._yielded_s)
         prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         if prompt_tokens:
             # Decoding rows ride along: an upper bound. The urgent requests' steps run within it are not its cost.
@@ -376,17 +390,38 @@ class Engine:
             scores = output.prompt_logprobs.get(chunk.sequence.request_id)
             if scores is not None:
                 chunk.sequence.score_prompt(chunk.sequence.num_cached_tokens, scores)
-            self._blocks.computed(chunk.sequence, chunk.sequence.num_cached_tokens + chunk.num_tokens)
+            if not chunk.proposed:  # a speculating one's computed tokens are known once verified
+                self._blocks.computed(chunk.sequence, chunk.sequence.num_cached_tokens + chunk.num_tokens)
         events = []
-        for chunk, token, scored in zip(drawing, output.tokens, output.logprobs, strict=True):
-            sequence = chunk.sequence
-            finish = self._finish_reason(sequence, token)
-            events.append(sequence.append(token, scored, started_at, len(chunks), finish))
+        row = 0  # of the output's draws: a chunk has one, and one more per token proposed
+        for chunk in drawing:
+            end = row + 1 + len(chunk.proposed)
+            events += self._take(chunk, output.tokens[row:end], output.logprobs[row:end], started_at, len(chunks))
+            row = end
         for request_id, vector in output.embeddings.items():
             events.append(self._sequences[request_id].embedded(vector, len(chunks)))
         for event in events:
             if event.finish_reason is not None:
                 self._scheduler.remove(self._sequences.pop(event.request_id))
+        return events
+
+    def _take(
+        self, chunk: Chunk, drawn: list[int], scores: list[Scored | None], started_at: float, batch_size: int
+    ) -> list[TokenEvent]:
+        """The chunk's new tokens: its proposals accepted (speculation.py), then the draw after them; each
+        an event, up to the first that ends the sequence."""
+        sequence = chunk.sequence
+        accepted = accepted_length(chunk.proposed, drawn)
+        events = []
+        for token, scored in zip(drawn[: accepted + 1], scores, strict=False):
+            events.append(sequence.append(token, scored, started_at, batch_size, self._finish_reason(sequence, token)))
+            if sequence.finish_reason is not None:
+                break
+        if chunk.proposed:
+            # The KV of its last token and of the proposals taken is its own; the rest's slots are rewritten.
+            self._blocks.computed(sequence, sequence.num_cached_tokens + len(events))
+            self._blocks.shrink(sequence, sequence.num_tokens)
+            self._speculator.settled(len(chunk.proposed), accepted)
         return events
 
     def _finish_reason(self, sequence: Sequence, token: int) -> FinishReason | None:

@@ -71,9 +71,9 @@ class StepLayout:
     ids: list[int]
     positions: list[int]
     slots: list[int]  # each token's cache slot
-    tables: list[list[int]]  # per sequence (decoding ones, then prompt chunks): the blocks it reads
-    lengths: list[int]  # per sequence: tokens cached once this step's are stored
-    decodes: int  # sequences decoding one token: rows [0, decodes)
+    tables: list[list[int]]  # per decoding row, then per prompt chunk: the blocks it reads
+    lengths: list[int]  # per decoding row, then per prompt chunk: the tokens it attends to (this step's included)
+    decodes: int  # rows decoding one token each, [0, decodes): a sequence's last token, and its proposed ones
     query_starts: list[int]  # chunk c is rows [query_starts[c], query_starts[c + 1]); [] without chunks
     sample_rows: list[int]  # the row each drawn token comes from, in the chunks' order
     first_rows: list[int] = field(default_factory=list)  # each chunk's first row, in the chunks' order
@@ -106,8 +106,9 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
         chunk = chunks[index]
         sequence, row = chunk.sequence, len(ids)
         start = sequence.num_cached_tokens
-        end = start + chunk.num_tokens
-        ids.extend(sequence.tokens(start, end))
+        end = start + chunk.rows  # proposed tokens (speculation.py) follow the sequence's own
+        ids.extend(sequence.tokens(start, start + chunk.num_tokens))
+        ids.extend(chunk.proposed)
         images, prompt_length = sequence.images, len(sequence.prompt_ids)
         delta = images.rope_delta if images is not None else 0
         positions.extend(range(start + delta, end + delta))
@@ -119,17 +120,27 @@ def layout_step(chunks: list[Chunk], block_size: int) -> StepLayout:
                 image_features.append(images.features[feature_row : feature_row + count])
         table = sequence.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        tables.append(table[: -(-end // block_size)])
-        lengths.append(end)
-        if chunk.num_tokens > 1:
+        if chunk.num_tokens > 1:  # a prompt chunk: its rows attend causally, as one query
+            tables.append(table[: -(-end // block_size)])
+            lengths.append(end)
             query_starts.append(row)
+        else:  # decoding: a row per token, each attending to the cache up to itself (its proposals' too)
+            for length in range(start + 1, end + 1):
+                tables.append(table[: -(-length // block_size)])
+                lengths.append(length)
         if adapted:
-            lora_slots.extend([sequence.lora_slot] * chunk.num_tokens)
+            lora_slots.extend([sequence.lora_slot] * chunk.rows)
         first_rows[index] = row
-    decodes = len(order) - len(query_starts)
+    decodes = len(lengths) - len(query_starts)  # rows decoding, each with its own table and length
     if query_starts:
         query_starts.append(len(ids))
-    sample_rows = [first_rows[i] + c.num_tokens - 1 for i, c in enumerate(chunks) if c.samples]
+    # A drawing chunk's last token's row, and each proposed token's: the target's token is drawn after each.
+    sample_rows = [
+        row
+        for i, c in enumerate(chunks)
+        if c.samples
+        for row in range(first_rows[i] + c.num_tokens - 1, first_rows[i] + c.rows)
+    ]
     three_rows = None
     if mrope:  # the other rows' three positions are equal
         three_rows = [list(positions) for _ in range(3)]
@@ -357,19 +368,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> StepOutput:
-        """One engine step: compute the chunks, then draw the next token of each chunk in `drawing`."""
+        """One engine step: compute the chunks, then draw the next token of each chunk in `drawing`, and after
+        each of its proposed tokens (speculation.py)."""
         # The draws' parameters go to the device before the forward pass, so that nothing waits for it
         # until the tokens are read.
         vocab = self.head.vocab_size
-        draws = DrawBatch.of([_draw(c, self._eos, vocab) for c in drawing], vocab, self._device)
+        draws = DrawBatch.of([d for c in drawing for d in _draws(c, self._eos, vocab)], vocab, self._device)
         self._encode_images(chunks)
         step = layout_step(chunks, self.block_size)
         prompt = PromptScoring.of(chunks, step)
         pooled = PooledRows.of(chunks, step.first_rows)
         hidden = self.forward(replace(step, sample_rows=step.sample_rows + prompt.rows + pooled.rows))
-        scored = len(drawing) + len(prompt.rows)  # the rows drawn from, then those scored, then those pooled
-        tokens, logprobs = sample(self.head, hidden[: len(drawing)], draws)
-        prompt_scores = self._score_prompt(hidden[len(drawing) : scored], prompt)
+        drawn = len(draws.draws)
+        scored = drawn + len(prompt.rows)  # the rows drawn from, then those scored, then those pooled
+        tokens, logprobs = sample(self.head, hidden[:drawn], draws)
+        prompt_scores = self._score_prompt(hidden[drawn:scored], prompt)
         return StepOutput(tokens, logprobs, prompt_scores, pooled.pool(hidden[scored:]))
 
     def _encode_images(self, chunks: list[Chunk]) -> None:
@@ -638,13 +651,39 @@ def _check_sliding_window(config, max_seq_len: int) -> None:
         )
 
 
-def _draw(chunk: Chunk, eos: frozenset[int], vocab_size: int) -> Draw:
+def _draws(chunk: Chunk, eos: frozenset[int], vocab_size: int) -> list[Draw]:
+    """The draw after the chunk's last token, and after each token proposed, as if those before it were taken."""
     sequence = chunk.sequence
     params = sequence.request.sampling
+    proposed = list(chunk.proposed)
     # The token history is only read for penalties; do not copy it otherwise.
-    history = sequence.token_ids if params.repetition_penalty != 1.0 else ()
-    generated = sequence.generated if params.presence_penalty or params.frequency_penalty else ()
-    early = sequence.next_index < params.min_tokens
-    banned = [*(() if params.ignore_eos else eos), *params.stop_token_ids] if early else ()
-    allowed = allowed_tokens(sequence.matcher, vocab_size) if sequence.matcher is not None else None
-    return Draw(params, history, sequence.next_index, generated, banned, allowed)
+    history = sequence.token_ids if params.repetition_penalty != 1.0 else None
+    generated = sequence.generated if params.presence_penalty or params.frequency_penalty else None
+    masks = _grammar_masks(sequence.matcher, proposed, vocab_size) if sequence.matcher is not None else None
+    draws = []
+    for taken in range(len(proposed) + 1):
+        index = sequence.next_index + taken
+        banned = [*(() if params.ignore_eos else eos), *params.stop_token_ids] if index < params.min_tokens else ()
+        draws.append(
+            Draw(
+                params,
+                () if history is None else history + proposed[:taken],
+                index,
+                () if generated is None else generated + proposed[:taken],
+                banned,
+                None if masks is None else masks[taken],
+            )
+        )
+    return draws
+
+
+def _grammar_masks(matcher, proposed: list[int], vocab_size: int) -> list[torch.Tensor]:
+    """The tokens the grammar allows next, then after each proposed token (which it allows: speculation.py),
+    its state left as it was."""
+    masks = [allowed_tokens(matcher, vocab_size)]
+    for token in proposed:
+        matcher.consume_token(token)
+        masks.append(allowed_tokens(matcher, vocab_size))
+    if proposed:
+        matcher.rollback(len(proposed))
+    return masks

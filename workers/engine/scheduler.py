@@ -43,10 +43,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class Chunk:
-    """`num_tokens` tokens of `sequence`, from its first uncached one, computed this step."""
+    """`num_tokens` tokens of `sequence`, from its first uncached one, computed this step; a decoding one may
+    have tokens proposed after its last (speculation.py), computed with it and verified by the step's draws."""
 
     sequence: Sequence
     num_tokens: int
+    proposed: tuple[int, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        """The rows it has in the step: its tokens, then the proposed ones."""
+        return self.num_tokens + len(self.proposed)
 
     @property
     def reaches_end(self) -> bool:
@@ -150,7 +157,7 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         now = time.monotonic()
         self._admit(now)
-        budget = self._step_budget
+        budget = self.step_budget
         chunks: list[Chunk] = []
         # Decoding sequences first (one token each), then prompt chunks; the most urgent first within each.
         order = sorted(
@@ -178,7 +185,7 @@ class Scheduler:
         return chunks
 
     @property
-    def _step_budget(self) -> int:
+    def step_budget(self) -> int:
         """Tokens a step computes at most: never fewer than a full batch's decodes."""
         return max(self._config.max_tokens_per_step, self._config.max_batch_size)
 
@@ -243,7 +250,7 @@ class Scheduler:
         now = time.monotonic()
         self.waiting.remove(sequence)
         self._start(sequence, self._urgency(sequence, now), now)
-        return Chunk(sequence, min(sequence.num_tokens - sequence.num_cached_tokens, self._step_budget))
+        return Chunk(sequence, min(sequence.num_tokens - sequence.num_cached_tokens, self.step_budget))
 
     def _start(self, sequence: Sequence, urgency: float, now: float) -> None:
         sequence.admitted_urgency = urgency

@@ -1,0 +1,279 @@
+"""Speculative decoding (workers/engine/speculation.py): prompt lookup's proposals, what a step may propose, the
+measured rule that switches proposals off, and exactness: a speculating engine's tokens are the ones it gives
+without speculation, greedy and seeded sampling alike, with penalties, grammars, stop strings and
+log-probabilities; and the rule is rejection sampling, whose output has the target's distribution."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+import httpx
+import pytest
+import structlog
+import torch
+from llguidance import LLMatcher
+
+from schemas.messages import SamplingParams
+from tests.processes import metric, serving
+from tests.test_engine import PROMPTS, Harness, _tokens, loaded  # noqa: F401 (a fixture)
+from tests.test_scheduler import _sequence
+from workers.engine.block_manager import BlockManager
+from workers.engine.config import EngineConfig
+from workers.engine.sampler import Draw, DrawBatch, choose
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.speculation import CostLine, NgramProposer, Speculator, accepted_length, proposals_pay
+
+
+def _tokens_of(*tokens: int):
+    """A sequence with these tokens (prompt lookup reads nothing else)."""
+    return _sequence(list(tokens))
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_match():
+    # The last three tokens (7 8 9) occurred once, followed by 4 5 6; the last one (9) since, followed by 1.
+    assert NgramProposer(1, 3).propose(_tokens_of(7, 8, 9, 4, 5, 6, 9, 1, 2, 7, 8, 9), 3) == [4, 5, 6]
+    # (1 2) occurred twice: the later occurrence's continuation.
+    assert NgramProposer(2, 2).propose(_tokens_of(1, 2, 3, 1, 2, 4, 1, 2), 2) == [4, 1]
+    # Where the continuation reaches the present, it repeats itself: a loop is proposed whole.
+    assert NgramProposer(2, 2).propose(_tokens_of(5, 6, 5, 6), 5) == [5, 6, 5, 6, 5]
+    # Nothing matched, or only an n-gram shorter than ngram_min: nothing proposed.
+    assert NgramProposer(2, 4).propose(_tokens_of(1, 2, 3, 4), 3) == []
+    assert NgramProposer(2, 4).propose(_tokens_of(1, 2, 3, 1), 3) == []
+    assert NgramProposer(1, 4).propose(_tokens_of(1, 2, 3, 1), 3) == [2, 3, 1]
+
+
+def test_the_index_kept_as_a_sequence_grows_proposes_as_one_built_at_once():
+    rng = random.Random(0)
+    tokens = [rng.randrange(5) for _ in range(60)]
+    growing, proposer = _sequence(tokens[:4]), NgramProposer(1, 3)
+    for token in tokens[4:]:
+        growing.generated.append(token)
+        fresh = _sequence(growing.token_ids)
+        assert proposer.propose(growing, 4) == NgramProposer(1, 3).propose(fresh, 4), len(growing.token_ids)
+
+
+def test_proposals_are_accepted_up_to_the_first_the_models_draw_differs_from():
+    assert accepted_length((5, 6, 7), [5, 6, 9, 1]) == 2
+    assert accepted_length((5, 6), [5, 6, 3]) == 2
+    assert accepted_length((5,), [4, 5]) == 0
+    assert accepted_length((), [3]) == 0
+
+
+def test_the_cost_line_recovers_a_steps_fixed_and_per_row_seconds():
+    line = CostLine()
+    for step in range(7):
+        line.add(1 + step % 20, 0.010 + 0.001 * (1 + step % 20))
+    assert line.fit() is None  # too few steps
+    for step in range(7, 60):
+        line.add(1 + step % 20, 0.010 + 0.001 * (1 + step % 20))
+    a, b = line.fit()
+    assert a == pytest.approx(0.010, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
+    steady = CostLine()
+    for _ in range(60):
+        steady.add(8, 0.02)
+    assert steady.fit() is None  # rows that never vary say nothing of a row's cost
+
+
+def test_proposals_pay_while_acceptance_beats_the_per_row_share_of_a_step():
+    line = (0.010, 0.0002)  # 10 ms a step, 0.2 ms a row
+    assert proposals_pay(0.5, line, drawing=1, rows=1)
+    # At 64 decoding rows a row is 56 % of the step: half the proposals accepted no longer pays, 90 % does.
+    assert not proposals_pay(0.5, line, drawing=64, rows=64)
+    assert proposals_pay(0.9, line, drawing=64, rows=64)
+    assert proposals_pay(0.0, None, drawing=64, rows=64)  # unmeasured: tried
+
+
+def _decoding(scheduler: Scheduler, blocks: BlockManager, **sampling):
+    """A sequence of LOOP's prompt (its first token its own), its prompt computed and 1 drawn: it decodes."""
+    sequence = _sequence([len(scheduler), *LOOP], name=str(len(scheduler)))
+    sequence.request = replace(sequence.request, sampling=SamplingParams(seed=1, **sampling))
+    scheduler.add(sequence)
+    assert [c.sequence for c in scheduler.schedule() if c.num_tokens > 1] == [sequence]
+    blocks.computed(sequence, sequence.num_tokens)
+    sequence.generated.append(1)
+    return sequence
+
+
+LOOP = [1, 2, 3, 1, 2, 3]  # then 1: prompt lookup proposes 2 3 1 2
+
+
+def test_a_step_proposes_within_its_budget_the_tokens_left_and_the_cache_not_for_requests_that_opt_out():
+    blocks = BlockManager(num_blocks=7, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=8, max_tokens_per_step=8), blocks)
+    speculator = Speculator(NgramProposer(2, 3), 4, max_seq_len=64)
+    first = _decoding(scheduler, blocks)
+    opted_out = _decoding(scheduler, blocks, speculative=False)
+    short = _decoding(scheduler, blocks)
+    short.max_new_tokens = 3  # 1 generated: the step may add 2, its own and one proposal
+    chunks = speculator.plan(scheduler.schedule(), blocks, scheduler.step_budget)
+    # 8 tokens each, 2 blocks; the first's 4 proposals take the 7th and last block: the short one's 1 finds none.
+    assert [c.proposed for c in chunks] == [(2, 3, 1, 2), (), ()]
+    assert len(first.block_table) == 3 and blocks.free_blocks == 0
+    blocks.shrink(first, first.num_tokens)  # rejected: the block they took is free again
+    assert len(first.block_table) == 2 and blocks.free_blocks == 1
+    chunks = speculator.plan(scheduler.schedule(), blocks, budget=4)  # 3 decode rows: room for 1 proposal
+    assert [c.proposed for c in chunks] == [(2,), (), ()]
+    assert opted_out.request.sampling.speculative is False
+
+
+def test_where_proposals_do_not_pay_one_step_in_16_still_proposes_and_each_switch_is_logged():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=8, max_tokens_per_step=8), blocks)
+    speculator = Speculator(NgramProposer(2, 3), 2, max_seq_len=64)
+    sequence = _decoding(scheduler, blocks)
+    for step in range(40):  # a row costs 10 ms, a step 1 ms more; no proposal is ever accepted
+        speculator.settled(2, 0)
+        speculator.measured(1 + step % 5, 0.001 + 0.010 * (1 + step % 5))
+    with structlog.testing.capture_logs() as logs:
+        proposing = []
+        for _ in range(32):
+            [chunk] = speculator.plan(scheduler.schedule(), blocks, scheduler.step_budget)
+            proposing.append(bool(chunk.proposed))
+            blocks.shrink(sequence, sequence.num_tokens)
+    assert proposing == ([False] * 15 + [True]) * 2
+    [switched] = [entry for entry in logs if entry["event"] == "speculation_switched"]
+    assert switched["on"] is False and switched["acceptance"] < 0.2 and switched["row_s"] == pytest.approx(0.01)
+
+
+# -- exactness on the bundled model, in float64 (tests/test_engine.py says why)
+
+KINDS = [
+    {},
+    {"do_sample": True, "temperature": 0.7},
+    {"do_sample": True, "top_p": 0.9, "top_k": 50},
+    {"repetition_penalty": 1.2},
+    {"do_sample": True, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+    {"logprobs": 2},
+    {"min_tokens": 30, "do_sample": True},
+    {"stop": ["object"]},
+]
+
+
+def _run(harness: Harness, workload) -> list[tuple]:
+    ids = [harness.submit(prompt, max_new, **dict(kind)) for prompt, max_new, kind in workload]
+    results = harness.collect(ids)
+    return [
+        (
+            _tokens(results[i]),
+            "".join(e.text for e in results[i]),
+            results[i][-1].finish_reason,
+            [[(t.id, t.logprob, [(a.id, a.logprob) for a in t.top]) for t in e.logprobs or ()] for e in results[i]],
+        )
+        for i in ids
+    ]
+
+
+def _same(expected: list[tuple], got: list[tuple]) -> None:
+    for index, ((tokens, text, finish, scores), (tokens2, text2, finish2, scores2)) in enumerate(
+        zip(expected, got, strict=True)
+    ):
+        assert (tokens2, text2, finish2) == (tokens, text, finish), index
+        flat = [(t, v) for event in scores for t, v, _ in event]
+        flat2 = [(t, v) for event in scores2 for t, v, _ in event]
+        assert [t for t, _ in flat2] == [t for t, _ in flat], index
+        assert [v for _, v in flat2] == pytest.approx([v for _, v in flat], abs=1e-9), index
+
+
+def test_seeded_sampling_penalties_stops_and_logprobs_give_the_same_tokens_with_proposals_alone_or_batched(loaded):  # noqa: F811
+    rng = random.Random(3)
+    workload = []
+    for i in range(32):
+        prompt = [rng.randrange(4, 32000) for _ in range(rng.randint(2, 60))]
+        workload.append((prompt, rng.randint(10, 80), {**KINDS[i % len(KINDS)], "seed": i}))
+    runs = {}
+    for name, config in [
+        ("plain", {}),
+        ("speculating", {"speculative": "ngram"}),
+        ("speculating alone", {"speculative": "ngram", "max_batch_size": 1}),
+    ]:
+        harness = Harness(loaded, EngineConfig(max_seq_len=512, kv_cache_bytes=256 << 20, **config))
+        try:
+            runs[name] = _run(harness, workload if name != "speculating alone" else workload[:8])
+            stats = harness.engine.stats()
+        finally:
+            harness.close()
+        if name != "plain":  # the bundled model repeats itself: prompt lookup finds much to propose
+            assert stats["speculative_accepted"] >= 10 and stats["speculative_verifications"] >= 10, stats
+    _same(runs["plain"], runs["speculating"])
+    _same(runs["plain"][:8], runs["speculating alone"])
+
+
+def test_a_grammar_takes_only_proposals_it_allows_and_gives_the_same_tokens(loaded):  # noqa: F811
+    # A grammar that repeats: prompt lookup proposes from its own output, some of which the grammar allows.
+    grammar = LLMatcher.grammar_from_regex(r"(red|green|blue)( (red|green|blue)){11}")
+    workload = [(PROMPTS[i % 4], 60, {"do_sample": i % 2 == 1, "seed": i, "grammar": grammar}) for i in range(6)]
+    runs = {}
+    for speculative in ("", "ngram"):
+        harness = Harness(loaded, EngineConfig(max_seq_len=512, kv_cache_bytes=256 << 20, speculative=speculative))
+        try:
+            runs[speculative] = _run(harness, workload)
+            stats = harness.engine.stats()
+        finally:
+            harness.close()
+    _same(runs[""], runs["ngram"])
+    assert all(len(text.split()) == 12 for _, text, _, _ in runs["ngram"]), runs["ngram"]
+    assert stats["speculative_accepted"] > 0, stats
+
+
+# -- rejection sampling's distribution
+
+
+def _draw(logits: torch.Tensor, seed: int) -> int:
+    params = SamplingParams(seed=seed, do_sample=True)
+    return int(choose(logits[None], DrawBatch.of([Draw(params, (), 0)], logits.shape[0], logits.device))[0])
+
+
+def _chi_square(counts: Counter, probabilities: list[float], draws: int) -> float:
+    return sum((counts[t] - draws * p) ** 2 / (draws * p) for t, p in enumerate(probabilities))
+
+
+@pytest.mark.parametrize("rule", ["the engine's", "without the correction"])
+def test_the_proposal_rule_keeps_the_targets_distribution_and_fails_the_test_without_its_correction(rule):
+    """A proposer whose q puts all its mass on token x. The engine's rule: accept x if the target's own draw is
+    x, else take that draw, which is then distributed as the residual max(0, p - q), renormalised. The rule
+    without the correction accepts x with probability p(x) and otherwise draws anew from p (x included): x
+    comes out with probability p(x)(2 - p(x)). Chi-square over 6 tokens, 5 degrees of freedom; 20.5 is its
+    99.9 % point."""
+    logits = torch.tensor([1.5, 0.2, 0.9, -0.4, 0.0, 0.7], dtype=torch.float64)
+    probabilities = logits.softmax(dim=-1).tolist()
+    proposed, draws = 2, 6000
+    uniform = random.Random(1)
+    counts: Counter = Counter()
+    for seed in range(draws):
+        drawn = _draw(logits, seed)
+        if rule == "the engine's":
+            token = proposed if accepted_length((proposed,), [drawn]) == 1 else drawn
+        else:
+            token = proposed if uniform.random() < probabilities[proposed] else _draw(logits, seed + 10**9)
+        counts[token] += 1
+    statistic = _chi_square(counts, probabilities, draws)
+    if rule == "the engine's":
+        assert statistic < 20.5, (statistic, counts)
+    else:
+        assert statistic > 100, (statistic, counts)  # x comes out ~990 times more than its ~1250: over 700
+
+
+# -- serving
+
+
+def test_serve_speculates_exactly_counts_it_in_metrics_and_a_request_may_opt_out(tmp_path):
+    with serving(tmp_path, "--speculative", "ngram", "--num-speculative-tokens", "3") as served:
+        body = {"model": "tokenrelay-tiny", "prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0, "seed": 5}
+        speculated = httpx.post(served.url("/v1/completions"), json=body, timeout=60).json()
+        metrics = httpx.get(served.url("/metrics")).text
+        proposed, accepted, verified = (
+            metric(metrics, f"tokenrelay_worker_speculative_{name}_total", model="tokenrelay-tiny")
+            for name in ("proposed_tokens", "accepted_tokens", "verifications")
+        )
+        assert 0 < accepted <= proposed <= 3 * verified, metrics
+        plain = httpx.post(served.url("/v1/completions"), json=body | {"speculative": False}, timeout=60).json()
+        assert plain["choices"][0]["text"] == speculated["choices"][0]["text"]
+        native = {"text_input": PROMPTS[1], "parameters": {"max_new_tokens": 48, "speculative": False}}
+        answer = httpx.post(served.url("/v2/models/tokenrelay-tiny/generate"), json=native, timeout=60).json()
+        assert answer["text_output"] == speculated["choices"][0]["text"]
+        after = httpx.get(served.url("/metrics")).text
+        assert metric(after, "tokenrelay_worker_speculative_proposed_tokens_total", model="tokenrelay-tiny") == proposed
+        refused = httpx.post(served.url("/generate"), json={"inputs": "a", "parameters": {"speculative": "yes"}})
+        assert refused.status_code == 422 and "speculative" in refused.text, refused.text
