@@ -20,6 +20,27 @@ from workers.engine.config import EngineConfig
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_speculative_bench_compares_each_workload_and_concurrency_with_and_without_proposals():
+    """The short path of `tokenrelay bench engine --speculative ngram` (docs/benchmarks.md has a real run)."""
+    argv = ["bench", "engine", "--speculative", "ngram", "--concurrency", "1", "2", "--requests", "4"]
+    argv += ["--prompt-lens", "8", "24", "--output-lens", "24", "32", "--copy-prompt-len", "48", "--repeat", "1"]
+    run = subprocess.run([TOKENRELAY, *argv, "--json"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    rows = {(row["workload"], row["concurrency"]): row for row in report["rows"]}
+    assert set(rows) == {(w, c) for w in ("copy-heavy", "default") for c in (1, 2)}
+    for (_, concurrency), row in rows.items():
+        assert row["requests"] == (4 if concurrency == 1 else 8)
+        off, on = row["off"], row["speculative"]
+        assert off["output_tokens"] == on["output_tokens"] and off["speculation"] is None
+        counts = on["speculation"]
+        assert counts["verifications"] > 0 and 0 <= counts["accepted"] <= counts["proposed"], row
+        assert row["tpot_ratio"] == round(off["tpot_ms"] / on["tpot_ms"], 2)
+    assert rows[("copy-heavy", 1)]["speculative"]["speculation"]["accepted"] > 0  # the model repeats its own text
+    assert report["throughput"]["off"]["requests"] == 4 and report["throughput_ratio"] > 0
+    assert "TPOT" in run.stderr and "x lower with ngram" in run.stderr
+
+
 def test_the_engine_bench_reports_the_engine_every_baseline_the_ratios_and_decode_steps(tmp_path):
     run = subprocess.run(
         [

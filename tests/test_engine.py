@@ -24,7 +24,7 @@ from llguidance import LLMatcher
 from schemas.messages import ChatMessage, FinishReason, SamplingParams, Task, TokenEvent, Tokenization
 from tests.devices import TEST_DEVICE
 from tests.test_cuda_graphs import replay_eagerly
-from workers.bundled import BUNDLED_MODEL
+from workers.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.model_loader import load_model, random_model
@@ -157,9 +157,10 @@ def _reference(reference, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out if eos is None else out[: eos + 1]
 
 
-@pytest.mark.parametrize("speculative", ["", "ngram"])
+@pytest.mark.parametrize("speculative", ["", "ngram", "draft"])
 def test_64_greedy_requests_equal_transformers_generate_token_for_token(loaded, reference, harness_with, speculative):
-    """With prompt lookup's proposals too (workers/engine/speculation.py): the same tokens."""
+    """With proposals too, prompt lookup's or the bundled draft model's (workers/engine/speculation.py): the same
+    tokens."""
     rng = random.Random(7)
     shared = [rng.randrange(4, 32000) for _ in range(70)]  # a prefix some prompts share
     workload = []
@@ -174,6 +175,7 @@ def test_64_greedy_requests_equal_transformers_generate_token_for_token(loaded, 
         max_seq_len=512,
         kv_cache_bytes=40 * BLOCK_BYTES_F64,
         speculative=speculative,
+        speculative_model=str(BUNDLED_DRAFT_MODEL) if speculative == "draft" else None,
     )
     ids = []
     for wave in range(4):  # staggered arrivals: each wave joins a running batch

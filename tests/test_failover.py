@@ -19,7 +19,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.processes import Process, free_port, usage_of, wait_ready
+from tests.processes import Process, free_port, metric, usage_of, wait_ready
 from tests.vision_models import data_uri
 from tokenrelay.bench.chaos import FAILURES, PROMPTS, Kind, Workers, run_chaos
 from tokenrelay.topology import tokenrelay_processes
@@ -149,11 +149,17 @@ def _joined(worker: Process) -> bool:
 
 async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kafka_bootstrap, topic_prefix, spawn):
     """And so do image requests: a worker of the vision model is killed too; the images travel in the request,
-    so the worker that takes over encodes the same bytes; and those of a LoRA adapter, which both workers serve."""
+    so the worker that takes over encodes the same bytes; and those of a LoRA adapter, which both workers serve.
+    Every worker speculates (prompt lookup): whichever worker computes a token, proposals or none, it is the same."""
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
     lora = ["--lora", f"shout={BUNDLED_ADAPTERS['shout']}"]
-    workers = [spawn("worker", *kafka, *lora, "--worker-id", f"w{i}") for i in range(2)]
-    vision = [spawn("worker", *kafka, "--vision", "--worker-id", f"v{i}") for i in range(2)]
+    speculative = ["--speculative", "ngram"]
+    metrics = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    workers = [
+        spawn("worker", *kafka, *lora, *speculative, "--worker-id", f"w{i}", "--metrics-address", metrics[i])
+        for i in range(2)
+    ]
+    vision = [spawn("worker", *kafka, "--vision", *speculative, "--worker-id", f"v{i}") for i in range(2)]
     port = free_port()
     gateway = spawn("gateway", "--port", str(port), *kafka)
     wait_ready(f"http://127.0.0.1:{port}", MODEL, [*workers, gateway])
@@ -206,6 +212,9 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
     assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
     assert {f["worker_id"] for f in failovers} == set(killed)
     assert sum(f["structured"] for f in failovers) >= 1, [f["structured"] for f in failovers]
+    [survivor] = [i for i in range(2) if f"w{i}" not in killed]
+    survived = httpx.get(f"http://{metrics[survivor]}/metrics").text
+    assert metric(survived, "tokenrelay_worker_speculative_accepted_tokens_total", model=MODEL) > 0, survived
 
 
 def test_forty_seconds_of_chaos_lose_nothing(kafka_bootstrap, topic_prefix, tmp_path):

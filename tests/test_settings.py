@@ -21,7 +21,7 @@ from bus.settings import InProcessSettings, KafkaSettings
 from tokenrelay.flags import build_parser
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.settings import settings_from
-from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
+from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_DRAFT_MODEL, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
 
 COMMANDS = ("serve", "gateway", "worker", "simulate")
 KAFKA = ["--kafka-bootstrap", "broker-a:9092"]
@@ -39,6 +39,7 @@ SAMPLES = {
     "--lora-root": [str(BUNDLED_VISION_MODEL)],  # a directory that exists
     "--lora": [f"shout={BUNDLED_ADAPTERS['shout']}", f"code={BUNDLED_ADAPTERS['code']}"],
     "--tenants-file": [str(Path(__file__).parents[1] / "deploy" / "tenants.example.toml")],
+    "--speculative-model": [str(BUNDLED_DRAFT_MODEL)],
 }
 SIMULATE = {"worker": "bundled-cpu", "simulate": "llama-1.1b-h200"}  # a profile other than the default
 TLS = {"--tls-cert": "cert.pem", "--tls-key": "key.pem", "--tls-ca": "ca.pem"}  # they go together
@@ -164,6 +165,17 @@ def test_the_bundled_models_are_named_as_their_flags_say():
         (["simulate", *KAFKA, "--workers", "0"], "--workers 0: at least 1"),
         (["worker", *KAFKA, "--model", "/models/x", "--vision"], "--vision serves the bundled vision-language model"),
         (["gateway", *KAFKA, "--lora-root", "/no/such/dir"], "--lora-root /no/such/dir: no such directory"),
+        (["serve", "--num-speculative-tokens", "0"], "--num-speculative-tokens 0: from 1 to 16"),
+        (["serve", "--ngram-min", "5"], "--ngram-min 5, --ngram-max 4: 1 <= --ngram-min <= --ngram-max <= 16"),
+        (["serve", "--speculative-model", "/no/such/dir"], "--speculative-model /no/such/dir: no such directory"),
+        (
+            ["worker", *KAFKA, "--simulate", "bundled-cpu", "--speculative", "ngram"],
+            "--speculative, --speculative-model",
+        ),
+        (
+            ["serve", "--speculative", "ngram", "--speculative-model", str(BUNDLED_DRAFT_MODEL)],
+            "--speculative ngram and --speculative-model: one way of proposing, not two",
+        ),
     ],
 )
 def test_settings_that_cannot_be_had_are_refused_before_anything_starts(argv, reason):

@@ -19,29 +19,33 @@ from schemas.messages import SamplingParams
 from tests.processes import metric, serving
 from tests.test_engine import PROMPTS, Harness, _tokens, loaded  # noqa: F401 (a fixture)
 from tests.test_scheduler import _sequence
+from workers.bundled import BUNDLED_DRAFT_MODEL
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
+from workers.engine.draft import DraftProposer
+from workers.engine.model_loader import load_model
 from workers.engine.sampler import Draw, DrawBatch, choose
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.speculation import CostLine, NgramProposer, Speculator, accepted_length, proposals_pay
 
 
-def _tokens_of(*tokens: int):
-    """A sequence with these tokens (prompt lookup reads nothing else)."""
-    return _sequence(list(tokens))
+def _lookup(proposer: NgramProposer, sequence_or_tokens, k: int) -> list[int]:
+    sequence = sequence_or_tokens if not isinstance(sequence_or_tokens, tuple) else _sequence(list(sequence_or_tokens))
+    [proposal] = proposer.propose([sequence], [k])
+    return proposal
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_match():
     # The last three tokens (7 8 9) occurred once, followed by 4 5 6; the last one (9) since, followed by 1.
-    assert NgramProposer(1, 3).propose(_tokens_of(7, 8, 9, 4, 5, 6, 9, 1, 2, 7, 8, 9), 3) == [4, 5, 6]
+    assert _lookup(NgramProposer(1, 3), (7, 8, 9, 4, 5, 6, 9, 1, 2, 7, 8, 9), 3) == [4, 5, 6]
     # (1 2) occurred twice: the later occurrence's continuation.
-    assert NgramProposer(2, 2).propose(_tokens_of(1, 2, 3, 1, 2, 4, 1, 2), 2) == [4, 1]
+    assert _lookup(NgramProposer(2, 2), (1, 2, 3, 1, 2, 4, 1, 2), 2) == [4, 1]
     # Where the continuation reaches the present, it repeats itself: a loop is proposed whole.
-    assert NgramProposer(2, 2).propose(_tokens_of(5, 6, 5, 6), 5) == [5, 6, 5, 6, 5]
+    assert _lookup(NgramProposer(2, 2), (5, 6, 5, 6), 5) == [5, 6, 5, 6, 5]
     # Nothing matched, or only an n-gram shorter than ngram_min: nothing proposed.
-    assert NgramProposer(2, 4).propose(_tokens_of(1, 2, 3, 4), 3) == []
-    assert NgramProposer(2, 4).propose(_tokens_of(1, 2, 3, 1), 3) == []
-    assert NgramProposer(1, 4).propose(_tokens_of(1, 2, 3, 1), 3) == [2, 3, 1]
+    assert _lookup(NgramProposer(2, 4), (1, 2, 3, 4), 3) == []
+    assert _lookup(NgramProposer(2, 4), (1, 2, 3, 1), 3) == []
+    assert _lookup(NgramProposer(1, 4), (1, 2, 3, 1), 3) == [2, 3, 1]
 
 
 def test_the_index_kept_as_a_sequence_grows_proposes_as_one_built_at_once():
@@ -50,8 +54,8 @@ def test_the_index_kept_as_a_sequence_grows_proposes_as_one_built_at_once():
     growing, proposer = _sequence(tokens[:4]), NgramProposer(1, 3)
     for token in tokens[4:]:
         growing.generated.append(token)
-        fresh = _sequence(growing.token_ids)
-        assert proposer.propose(growing, 4) == NgramProposer(1, 3).propose(fresh, 4), len(growing.token_ids)
+        fresh = tuple(growing.token_ids)
+        assert _lookup(proposer, growing, 4) == _lookup(NgramProposer(1, 3), fresh, 4), len(growing.token_ids)
 
 
 def test_proposals_are_accepted_up_to_the_first_the_models_draw_differs_from():
@@ -176,7 +180,14 @@ def _same(expected: list[tuple], got: list[tuple]) -> None:
         assert [v for _, v in flat2] == pytest.approx([v for _, v in flat], abs=1e-9), index
 
 
-def test_seeded_sampling_penalties_stops_and_logprobs_give_the_same_tokens_with_proposals_alone_or_batched(loaded):  # noqa: F811
+DRAFT = {"speculative": "draft", "speculative_model": str(BUNDLED_DRAFT_MODEL)}
+
+
+@pytest.mark.parametrize("proposing", [{"speculative": "ngram"}, DRAFT], ids=["ngram", "draft"])
+def test_seeded_sampling_penalties_stops_and_logprobs_give_the_same_tokens_with_proposals_alone_or_batched(
+    loaded,  # noqa: F811
+    proposing,
+):
     rng = random.Random(3)
     workload = []
     for i in range(32):
@@ -185,8 +196,8 @@ def test_seeded_sampling_penalties_stops_and_logprobs_give_the_same_tokens_with_
     runs = {}
     for name, config in [
         ("plain", {}),
-        ("speculating", {"speculative": "ngram"}),
-        ("speculating alone", {"speculative": "ngram", "max_batch_size": 1}),
+        ("speculating", proposing),
+        ("speculating alone", {**proposing, "max_batch_size": 1}),
     ]:
         harness = Harness(loaded, EngineConfig(max_seq_len=512, kv_cache_bytes=256 << 20, **config))
         try:
@@ -200,21 +211,38 @@ def test_seeded_sampling_penalties_stops_and_logprobs_give_the_same_tokens_with_
     _same(runs["plain"][:8], runs["speculating alone"])
 
 
-def test_a_grammar_takes_only_proposals_it_allows_and_gives_the_same_tokens(loaded):  # noqa: F811
+@pytest.mark.parametrize("proposing", [{"speculative": "ngram"}, DRAFT], ids=["ngram", "draft"])
+def test_a_grammar_takes_only_proposals_it_allows_and_gives_the_same_tokens(loaded, proposing):  # noqa: F811
     # A grammar that repeats: prompt lookup proposes from its own output, some of which the grammar allows.
     grammar = LLMatcher.grammar_from_regex(r"(red|green|blue)( (red|green|blue)){11}")
     workload = [(PROMPTS[i % 4], 60, {"do_sample": i % 2 == 1, "seed": i, "grammar": grammar}) for i in range(6)]
     runs = {}
-    for speculative in ("", "ngram"):
-        harness = Harness(loaded, EngineConfig(max_seq_len=512, kv_cache_bytes=256 << 20, speculative=speculative))
+    for name, config in (("plain", {}), ("speculating", proposing)):
+        harness = Harness(loaded, EngineConfig(max_seq_len=512, kv_cache_bytes=256 << 20, **config))
         try:
-            runs[speculative] = _run(harness, workload)
+            runs[name] = _run(harness, workload)
             stats = harness.engine.stats()
         finally:
             harness.close()
-    _same(runs[""], runs["ngram"])
-    assert all(len(text.split()) == 12 for _, text, _, _ in runs["ngram"]), runs["ngram"]
+    _same(runs["plain"], runs["speculating"])
+    assert all(len(text.split()) == 12 for _, text, _, _ in runs["speculating"]), runs["speculating"]
     assert stats["speculative_accepted"] > 0, stats
+
+
+def test_a_draft_that_kept_its_cache_proposes_what_a_fresh_one_does_and_frees_it(loaded):  # noqa: F811
+    """The draft keeps the proposals the target took, rolls back the others, and takes the target's own token."""
+    draft = load_model(str(BUNDLED_DRAFT_MODEL), "cpu", "float64")
+    config = EngineConfig(max_seq_len=512, kv_cache_bytes=1 << 20).for_device("cpu")
+    kept = DraftProposer(draft, loaded, config, target_tokens=512)
+    sequence = _sequence(loaded.tokenizer(PROMPTS[0])["input_ids"])
+    for step in range(6):
+        [proposal] = kept.propose([sequence], [4])
+        assert proposal == DraftProposer(draft, loaded, config, target_tokens=512).propose([sequence], [4])[0]
+        sequence.generated += [*proposal[: step % 3], 100 + step]  # some taken, then the target's own token
+    kept.forget(sequence)
+    other = _sequence(list(range(4, 500)))  # its draft needs 16 of the 16 blocks: the first's are free again
+    assert len(kept.propose([other], [2])[0]) == 2
+    assert kept.propose([_sequence([5, 6])], [2]) == [[]]  # no room left: nothing proposed
 
 
 # -- rejection sampling's distribution
@@ -259,7 +287,9 @@ def test_the_proposal_rule_keeps_the_targets_distribution_and_fails_the_test_wit
 
 
 def test_serve_speculates_exactly_counts_it_in_metrics_and_a_request_may_opt_out(tmp_path):
-    with serving(tmp_path, "--speculative", "ngram", "--num-speculative-tokens", "3") as served:
+    """With the bundled draft model (the failover tests' workers use prompt lookup)."""
+    draft = ["--speculative-model", str(BUNDLED_DRAFT_MODEL), "--num-speculative-tokens", "3"]
+    with serving(tmp_path, *draft) as served:
         body = {"model": "tokenrelay-tiny", "prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0, "seed": 5}
         speculated = httpx.post(served.url("/v1/completions"), json=body, timeout=60).json()
         metrics = httpx.get(served.url("/metrics")).text

@@ -21,7 +21,14 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL_NAME, DTYPE_NAMES, MODEL_IMPLS
+from workers.bundled import (
+    BUNDLED_DRAFT_MODEL,
+    BUNDLED_MODEL,
+    BUNDLED_MODEL_NAME,
+    BUNDLED_VISION_MODEL_NAME,
+    DTYPE_NAMES,
+    MODEL_IMPLS,
+)
 from workers.simulated.profile import names as simulation_profiles
 
 _DESCRIPTION = """\
@@ -273,6 +280,13 @@ def _model_options(parser: _Parser) -> None:
         default="",
         help="propose tokens and verify them within each decode step: ngram (prompt lookup, the tokens that "
         "followed the context's last n-gram earlier); the output is the same, only its pace differs",
+    )
+    _option(
+        parser,
+        "--speculative-model",
+        default="",
+        help=f"propose tokens with this draft model (a directory; the target's tokenizer), verified within each "
+        f"decode step; the bundled model's draft: {BUNDLED_DRAFT_MODEL}",
     )
     _option(
         parser,

@@ -235,8 +235,24 @@ def _speculation(args: argparse.Namespace) -> dict:
         raise CannotStart(
             f"--ngram-min {args.ngram_min}, --ngram-max {args.ngram_max}: 1 <= --ngram-min <= --ngram-max <= 16"
         )
+    method = args.speculative
+    if args.speculative_model:
+        if args.speculative:
+            raise CannotStart(
+                f"--speculative {args.speculative} and --speculative-model: one way of proposing, not two"
+            )
+        if not Path(args.speculative_model).is_dir():
+            raise CannotStart(f"--speculative-model {args.speculative_model}: no such directory")
+        if args.tensor_parallel_size > 1:
+            raise CannotStart(
+                "--speculative-model: a draft model is not served beside a split one (--tensor-parallel-size)"
+            )
+        method = "draft"
+    if method and getattr(args, "simulate", ""):
+        raise CannotStart("--speculative, --speculative-model: a simulated model's tokens are a formula, not computed")
     return {
-        "speculative": args.speculative,
+        "speculative": method,
+        "speculative_model": str(Path(args.speculative_model).resolve()) if args.speculative_model else None,
         "num_speculative_tokens": args.num_speculative_tokens,
         "ngram_min": args.ngram_min,
         "ngram_max": args.ngram_max,

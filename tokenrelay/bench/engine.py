@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from tokenrelay.bench import plots
 from tokenrelay.bench.engine_runs import Request, Result, release, run_engine, timed_result, workload
-from workers.bundled import BUNDLED_MODEL
+from workers.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 
 # torch, transformers and the engine are imported where they are used, so that `--help` answers at once.
 if TYPE_CHECKING:
@@ -312,10 +312,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-rank", type=int, default=16, help="the rank of --loras' adapters")
     parser.add_argument(
         "--speculative",
-        choices=["ngram"],
+        choices=["ngram", "draft"],
         default=None,
         help="instead: the engine with speculative decoding against without, on a copy-heavy workload and on the "
         "default one, at each --concurrency (see tokenrelay/bench/speculative.py)",
+    )
+    parser.add_argument(
+        "--speculative-model",
+        default=str(BUNDLED_DRAFT_MODEL),
+        help="with --speculative draft: the draft model (default: the bundled model's)",
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: k")
     parser.add_argument(

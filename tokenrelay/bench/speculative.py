@@ -1,4 +1,4 @@
-"""`tokenrelay bench engine --speculative METHOD`: the engine with speculative decoding against without, in one run.
+"""`tokenrelay bench engine --speculative ngram|draft`: the engine with speculative decoding against without.
 
 Two workloads, greedy with EOS ignored (so both runs generate the same
 tokens), each at every `--concurrency` (the engine's batch size), with and
@@ -62,10 +62,15 @@ def compare(loaded, args: argparse.Namespace) -> dict:
         max_iter_times=max(args.output_lens[1], COPY_OUTPUT_LEN),
         cuda_graphs=not args.no_cuda_graphs,
     )
-    speculating = replace(config, speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    speculating = replace(
+        config,
+        speculative=args.speculative,
+        speculative_model=args.speculative_model if args.speculative == "draft" else None,
+        num_speculative_tokens=args.num_speculative_tokens,
+    )
     most = max(args.concurrency) * 4
     workloads = {
-        "copy-heavy": copy_heavy(loaded, config, args.copy_prompt_len),
+        "copy-heavy": copy_heavy(loaded, config, args.copy_prompt_len, most),
         "default": workload(most, args.prompt_lens, args.output_lens, loaded.vocab_size, args.seed),
     }
     print(
@@ -126,9 +131,10 @@ def compare(loaded, args: argparse.Namespace) -> dict:
     return report
 
 
-def copy_heavy(loaded, config, prompt_len: int) -> list[Request]:
-    """Each seed with the model's own greedy continuation of it, `prompt_len` tokens, as a prompt."""
-    seeds = [Request(loaded.tokenizer(seed)["input_ids"], prompt_len) for seed in SEEDS]
+def copy_heavy(loaded, config, prompt_len: int, count: int) -> list[Request]:
+    """Up to `count` seeds (16 at most), each with the model's own greedy continuation of it, `prompt_len`
+    tokens, as a prompt."""
+    seeds = [Request(loaded.tokenizer(seed)["input_ids"], prompt_len) for seed in SEEDS[:count]]
     continuations = generate(loaded, config, seeds)
     return [Request(seed.prompt + text, COPY_OUTPUT_LEN) for seed, text in zip(seeds, continuations, strict=True)]
 

@@ -23,7 +23,8 @@ class EngineConfig:
     max_loras: int = 0  # LoRA adapters in device slots at once, each step's products computed over them; 0: none served
     max_cpu_loras: int | None = None  # adapters kept read in host memory; None: max_loras
     max_lora_rank: int = 64  # the highest adapter rank served (the slots' size)
-    speculative: str = ""  # how tokens are proposed for verification in one step (speculation.py): "", "ngram"
+    speculative: str = ""  # how tokens are proposed for verification in one step (speculation.py): "", "ngram", "draft"
+    speculative_model: str | None = None  # "draft": the draft model's directory (draft.py)
     num_speculative_tokens: int = 4  # proposed per sequence and step, at most
     ngram_min: int = 2  # prompt lookup matches the context's last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4

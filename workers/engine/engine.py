@@ -135,7 +135,7 @@ class Engine:
             self._blocks,
             self.adapters,
         )
-        self._speculator = speculator_for(config)
+        self._speculator = speculator_for(config, loaded, capacity)
         self._sequences: dict[str, Sequence] = {}
         self.seconds_per_prompt_token = 0.0  # of the steps with prompt chunks, lately (a router weighs waits by it)
         self._inbox: queue.SimpleQueue[Submitted | _Cancel | object] = queue.SimpleQueue()
@@ -322,9 +322,14 @@ class Engine:
             raise Rejected(request, str(error)) from error
 
     def _end(self, sequence: Sequence, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
+        self._remove(sequence)
+        return sequence.stop(reason, error)
+
+    def _remove(self, sequence: Sequence) -> None:
         self._scheduler.remove(sequence)
         del self._sequences[sequence.request_id]
-        return sequence.stop(reason, error)
+        if self._speculator is not None:
+            self._speculator.forget(sequence)
 
     def _expire(self) -> list[TokenEvent]:
         now = time.time()
@@ -402,7 +407,7 @@ class Engine:
             events.append(self._sequences[request_id].embedded(vector, len(chunks)))
         for event in events:
             if event.finish_reason is not None:
-                self._scheduler.remove(self._sequences.pop(event.request_id))
+                self._remove(self._sequences[event.request_id])
         return events
 
     def _take(

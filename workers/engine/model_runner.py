@@ -678,12 +678,13 @@ def _draws(chunk: Chunk, eos: frozenset[int], vocab_size: int) -> list[Draw]:
 
 
 def _grammar_masks(matcher, proposed: list[int], vocab_size: int) -> list[torch.Tensor]:
-    """The tokens the grammar allows next, then after each proposed token (which it allows: speculation.py),
-    its state left as it was."""
+    """The tokens the grammar allows next, then after each proposed token (which it allows: speculation.py).
+    The proposals go into a copy of the matcher: the sequence's own takes the tokens accepted, and no more
+    (a matcher stopped by an EOS proposal cannot be rolled back)."""
     masks = [allowed_tokens(matcher, vocab_size)]
-    for token in proposed:
-        matcher.consume_token(token)
-        masks.append(allowed_tokens(matcher, vocab_size))
     if proposed:
-        matcher.rollback(len(proposed))
+        scratch = matcher.deep_copy()
+        for token in proposed:
+            scratch.consume_token(token)
+            masks.append(allowed_tokens(scratch, vocab_size))
     return masks

@@ -48,6 +48,7 @@ so that ρ stays measured. Each switch is logged with its figures.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import structlog
 
@@ -58,10 +59,20 @@ from workers.engine.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 _PROBE_EVERY = 16  # steps: while proposals do not pay, one step in this many still proposes, to measure them
 _DECAY = 0.95  # per step, of the cost line's sums and of the acceptance: about the last 20 steps weigh
 _FIT_STEPS = 8  # steps measured before the cost line is trusted
+
+
+class Proposer(Protocol):
+    """Proposes tokens: NgramProposer here, or a draft model (draft.py)."""
+
+    def propose(self, sequences: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] tokens to follow sequences[i]'s, a function of its tokens alone."""
+
+    def forget(self, sequence: Sequence) -> None:
+        """The sequence has ended: what is kept for it goes."""
 
 
 @dataclass
@@ -78,7 +89,14 @@ class NgramProposer:
     def __init__(self, n_min: int, n_max: int) -> None:
         self._sizes = range(n_max, n_min - 1, -1)  # longest first
 
-    def propose(self, sequence: Sequence, k: int) -> list[int]:
+    def propose(self, sequences: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] tokens proposed after sequences[i]'s."""
+        return [self._propose(sequence, k) for sequence, k in zip(sequences, ks, strict=True)]
+
+    def forget(self, sequence: Sequence) -> None:
+        """Its n-grams go with it."""
+
+    def _propose(self, sequence: Sequence, k: int) -> list[int]:
         ngrams = sequence.ngrams
         if ngrams is None:
             ngrams = sequence.ngrams = _Ngrams()
@@ -154,7 +172,7 @@ def proposals_pay(acceptance: float, line: tuple[float, float] | None, drawing: 
 class Speculator:
     """Gives a step's decoding chunks their proposals, where they pay (see the module's docstring)."""
 
-    def __init__(self, proposer: NgramProposer, num_tokens: int, max_seq_len: int) -> None:
+    def __init__(self, proposer: Proposer, num_tokens: int, max_seq_len: int) -> None:
         self._proposer = proposer
         self._k = num_tokens
         self._max_seq_len = max_seq_len
@@ -178,7 +196,7 @@ class Speculator:
         if not speculating or not self._worth_it(sum(c.samples for c in chunks), sum(c.num_tokens for c in chunks)):
             return chunks
         room = budget - sum(c.num_tokens for c in chunks)
-        planned = list(chunks)
+        asked: list[tuple[int, int]] = []  # (chunk index, tokens it may propose)
         for index in speculating:
             sequence = chunks[index].sequence
             k = min(
@@ -187,9 +205,13 @@ class Speculator:
                 sequence.max_new_tokens - len(sequence.generated) - 1,  # the step adds up to k + 1 tokens
                 self._max_seq_len - sequence.num_tokens - 1,
             )
-            if k <= 0:
-                continue
-            proposal = self._proposer.propose(sequence, k)
+            if k > 0:
+                asked.append((index, k))
+                room -= k
+        proposals = self._proposer.propose([chunks[i].sequence for i, _ in asked], [k for _, k in asked])
+        planned = list(chunks)
+        for (index, _), proposal in zip(asked, proposals, strict=True):
+            sequence = chunks[index].sequence
             if sequence.matcher is not None:  # a proposal outside the grammar could never be accepted
                 proposal = proposal[: sequence.matcher.validate_tokens(proposal)]
             while proposal and not blocks.can_grow(sequence, sequence.num_tokens + len(proposal)):
@@ -197,8 +219,11 @@ class Speculator:
             if proposal:
                 blocks.grow(sequence, sequence.num_tokens + len(proposal))
                 planned[index] = replace(chunks[index], proposed=tuple(proposal))
-                room -= len(proposal)
         return planned
+
+    def forget(self, sequence: Sequence) -> None:
+        """The sequence has ended."""
+        self._proposer.forget(sequence)
 
     def settled(self, proposed: int, accepted: int) -> None:
         """One sequence's proposals were verified: `accepted` of `proposed` taken."""
@@ -238,11 +263,20 @@ class Speculator:
         return self._steps_off % _PROBE_EVERY == 0
 
 
-def speculator_for(config: EngineConfig) -> Speculator | None:
-    """The speculator an EngineConfig asks for; None: no speculation."""
+def speculator_for(config: EngineConfig, target: Any, target_tokens: int) -> Speculator | None:
+    """The speculator an EngineConfig asks for (None: no speculation); `target`: the LoadedModel it serves, whose
+    KV cache holds `target_tokens` tokens (a draft model's holds as many)."""
     if not config.speculative:
         return None
-    if config.speculative not in SPECULATIVE_METHODS:
+    if config.speculative == "ngram":
+        proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    elif config.speculative == "draft":
+        from workers.engine.draft import DraftProposer  # it imports torch, which a simulated worker does without
+        from workers.engine.model_loader import load_model
+
+        dtype = str(target.model.dtype).removeprefix("torch.")
+        draft = load_model(config.speculative_model, str(target.device), dtype)
+        proposer = DraftProposer(draft, target, config, target_tokens)
+    else:
         raise ValueError(f"speculative {config.speculative!r} is none of {', '.join(SPECULATIVE_METHODS)}")
-    proposer = NgramProposer(config.ngram_min, config.ngram_max)
     return Speculator(proposer, config.num_speculative_tokens, config.max_seq_len)
