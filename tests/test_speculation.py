@@ -24,9 +24,10 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.draft import DraftProposer
 from workers.engine.model_loader import load_model
+from workers.engine.prompt_lookup import NgramProposer
 from workers.engine.sampler import Draw, DrawBatch, choose
 from workers.engine.scheduler import Scheduler, SchedulerConfig
-from workers.engine.speculation import CostLine, NgramProposer, Speculator, accepted_length, proposals_pay
+from workers.engine.speculation import CostLine, Speculator, accepted_length, proposals_pay
 
 
 def _lookup(proposer: NgramProposer, sequence_or_tokens, k: int) -> list[int]:
@@ -122,7 +123,7 @@ def test_a_step_proposes_within_its_budget_the_tokens_left_and_the_cache_not_for
     assert opted_out.request.sampling.speculative is False
 
 
-def test_where_proposals_do_not_pay_one_step_in_16_still_proposes_and_each_switch_is_logged():
+def test_one_step_in_16_does_the_opposite_of_what_the_rule_says_and_each_switch_is_logged():
     blocks = BlockManager(num_blocks=8, block_size=4)
     scheduler = Scheduler(SchedulerConfig(max_batch_size=8, max_tokens_per_step=8), blocks)
     speculator = Speculator(NgramProposer(2, 3), 2, max_seq_len=64)
@@ -139,6 +140,13 @@ def test_where_proposals_do_not_pay_one_step_in_16_still_proposes_and_each_switc
     assert proposing == ([False] * 15 + [True]) * 2
     [switched] = [entry for entry in logs if entry["event"] == "speculation_switched"]
     assert switched["on"] is False and switched["acceptance"] < 0.2 and switched["row_s"] == pytest.approx(0.01)
+    fresh = Speculator(NgramProposer(2, 3), 2, max_seq_len=64)  # unmeasured: proposals are taken to pay
+    proposing = []
+    for _ in range(32):
+        [chunk] = fresh.plan(scheduler.schedule(), blocks, scheduler.step_budget)
+        proposing.append(bool(chunk.proposed))
+        blocks.shrink(sequence, sequence.num_tokens)
+    assert proposing == ([True] * 15 + [False]) * 2
 
 
 # -- exactness on the bundled model, in float64 (tests/test_engine.py says why)

@@ -223,7 +223,7 @@ def _finished(manager, timeout_s: float):
     """The next finished request's output; None once timeout_s has passed."""
     deadline = time.perf_counter() + timeout_s
     while True:
-        output = manager.gettimed_result(timeout=max(0.0, deadline - time.perf_counter()))
+        output = manager.get_result(timeout=max(0.0, deadline - time.perf_counter()))
         if output is None:
             if time.perf_counter() >= deadline:
                 return None

@@ -54,7 +54,7 @@ class Sequence:
     pooled_sum: Any = None  # mean pooling: its prompt rows' hidden states summed so far (a tensor)
     adapter: Any = None  # its LoRA adapter's HostAdapter (workers/engine/adapters.py); None: the base model
     lora_slot: int = -1  # the device slot it computes under while running; -1: none
-    ngrams: Any = None  # its n-grams, for prompt lookup's proposals (speculation.py); built on the first
+    ngrams: Any = None  # prompt lookup's index of its n-grams (prompt_lookup.py); None until its first lookup
 
     @property
     def request_id(self) -> str:

@@ -5,12 +5,8 @@ GPU) or by the step's fixed costs (on a CPU: Python, a call per operation),
 not by its rows, so k + 1 rows cost little more than one. Where the proposals
 are right, a sequence gains up to k tokens per step.
 
-Proposals are a function of the sequence's tokens alone: prompt lookup
-(`NgramProposer`; vLLM's `ngram`, TGI's n-gram speculation) takes the longest
-n-gram ending the context (n from ngram_max down to ngram_min) that occurred
-earlier, and proposes the k tokens that followed its latest occurrence,
-continued periodically where they run into the present (a loop is proposed
-whole).
+Proposals are a function of the sequence's tokens alone: prompt lookup's
+(prompt_lookup.py) or a draft model's greedy ones (draft.py).
 
 Verification (the engine, model_runner.py, sampler.py): the sequence's last
 token and its k proposals are k + 1 decoding rows of the step, row j
@@ -37,85 +33,46 @@ The rows after the accepted ones wrote KV that is not the sequence's: its
 cached length stops at its accepted tokens (the next steps overwrite those
 slots) and the blocks wholly past its tokens are freed.
 
-Proposals cost rows. `Speculator` fits the step's time against its rows (a
-least-squares line, seconds = a + b·rows, over the recent steps) and measures
-the share of proposals accepted, ρ; with B sequences drawing in a step of R
-rows, proposals raise the tokens per second when ρ > b·B / (a + b·R). A step
-where they would not proposes nothing; every 16th such step proposes anyway,
-so that ρ stays measured. Each switch is logged with its figures.
+Proposals cost rows, and a draft model's steps. `Speculator` fits the time of
+a step that only decodes, proposing included, against its rows (a
+least-squares line, seconds = a + b·rows, over the recent such steps: a
+prompt's rows cost far less each) and measures the share of proposals
+accepted, ρ; with B sequences drawing in a step of R rows, proposals raise
+the tokens per second when ρ > b·B / (a + b·R). A step where they would not
+proposes nothing. One step in 16 does the opposite (proposes where it would
+not, or not where it would), so that ρ and both kinds of step stay measured.
+Each switch is logged with its figures.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import structlog
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
+from workers.engine.prompt_lookup import NgramProposer
 from workers.engine.scheduler import Chunk
 from workers.engine.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 
 SPECULATIVE_METHODS = ("ngram", "draft")
-_PROBE_EVERY = 16  # steps: while proposals do not pay, one step in this many still proposes, to measure them
+_PROBE_EVERY = 16  # steps: one in this many does what proposals' paying says not to, to keep measuring both
 _DECAY = 0.95  # per step, of the cost line's sums and of the acceptance: about the last 20 steps weigh
 _FIT_STEPS = 8  # steps measured before the cost line is trusted
 
 
 class Proposer(Protocol):
-    """Proposes tokens: NgramProposer here, or a draft model (draft.py)."""
+    """Proposes tokens: prompt lookup (prompt_lookup.py) or a draft model (draft.py)."""
 
     def propose(self, sequences: list[Sequence], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] tokens to follow sequences[i]'s, a function of its tokens alone."""
 
     def forget(self, sequence: Sequence) -> None:
         """The sequence has ended: what is kept for it goes."""
-
-
-@dataclass
-class _Ngrams:
-    """A sequence's n-grams: each one's latest end (the index of the token that followed it)."""
-
-    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
-    indexed: int = 0  # tokens [0, indexed) have had the n-grams ending before them recorded
-
-
-class NgramProposer:
-    """Prompt lookup: the k tokens that followed the latest earlier occurrence of the context's last n-gram."""
-
-    def __init__(self, n_min: int, n_max: int) -> None:
-        self._sizes = range(n_max, n_min - 1, -1)  # longest first
-
-    def propose(self, sequences: list[Sequence], ks: list[int]) -> list[list[int]]:
-        """Up to ks[i] tokens proposed after sequences[i]'s."""
-        return [self._propose(sequence, k) for sequence, k in zip(sequences, ks, strict=True)]
-
-    def forget(self, sequence: Sequence) -> None:
-        """Its n-grams go with it."""
-
-    def _propose(self, sequence: Sequence, k: int) -> list[int]:
-        ngrams = sequence.ngrams
-        if ngrams is None:
-            ngrams = sequence.ngrams = _Ngrams()
-        tokens = sequence.token_ids
-        length = len(tokens)
-        for end in range(ngrams.indexed, length):  # tokens only grow: record what is new since the last call
-            for n in self._sizes:
-                if end >= n:
-                    ngrams.ends[tuple(tokens[end - n : end])] = end
-        ngrams.indexed = length
-        for n in self._sizes:
-            start = ngrams.ends.get(tuple(tokens[length - n :])) if length > n else None
-            if start is not None:
-                proposal: list[int] = []
-                for i in range(k):  # past the present, the proposal continues itself: a loop's period repeats
-                    at = start + i
-                    proposal.append(tokens[at] if at < length else proposal[at - length])
-                return proposal
-        return []
 
 
 def accepted_length(proposed: tuple[int, ...], drawn: list[int]) -> int:
@@ -179,8 +136,8 @@ class Speculator:
         self.counts = SpeculationCounts()
         self.cost = CostLine()
         self.acceptance = 1.0  # of the recent steps' proposals, decayed: optimistic until measured
-        self._on = True
-        self._steps_off = 0  # since proposals last paid
+        self._on = True  # whether proposals paid at the last step
+        self._steps = 0  # since that last changed
         self._step_proposed = self._step_accepted = 0
 
     def plan(self, chunks: list[Chunk], blocks: BlockManager, budget: int) -> list[Chunk]:
@@ -233,21 +190,24 @@ class Speculator:
         self._step_proposed += proposed
         self._step_accepted += accepted
 
-    def measured(self, rows: int, seconds: float) -> None:
-        """A step of `rows` rows took `seconds`: the cost line and the acceptance learn from it."""
-        self.cost.add(rows, seconds)
+    def measured(self, rows: int | None, seconds: float) -> None:
+        """A step took `seconds`: the acceptance learns from it, and the cost line from a step of `rows`
+        decoding rows (None: a step with prompt chunks, whose rows cost otherwise)."""
+        if rows is not None:
+            self.cost.add(rows, seconds)
         if self._step_proposed:
             share = self._step_accepted / self._step_proposed
             self.acceptance = _DECAY * self.acceptance + (1 - _DECAY) * share
         self._step_proposed = self._step_accepted = 0
 
     def _worth_it(self, drawing: int, rows: int) -> bool:
-        """Whether this step proposes: where proposals pay, and in one of every _PROBE_EVERY steps where they
-        do not, to keep measuring them. A change of mind is logged."""
+        """Whether this step proposes: where proposals pay, except that one step in _PROBE_EVERY does the other,
+        so that both kinds of step stay measured (a fixed k would otherwise leave the cost line one point). A
+        change of mind is logged."""
         line = self.cost.fit()
         pays = proposals_pay(self.acceptance, line, drawing, rows)
         if pays != self._on:
-            self._on, self._steps_off = pays, 0
+            self._on, self._steps = pays, 0
             log.info(
                 "speculation_switched",
                 on=pays,
@@ -257,10 +217,8 @@ class Speculator:
                 drawing=drawing,
                 rows=rows,
             )
-        if pays:
-            return True
-        self._steps_off += 1
-        return self._steps_off % _PROBE_EVERY == 0
+        self._steps += 1
+        return pays != (self._steps % _PROBE_EVERY == 0)
 
 
 def speculator_for(config: EngineConfig, target: Any, target_tokens: int) -> Speculator | None:
