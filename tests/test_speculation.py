@@ -81,13 +81,19 @@ def test_the_cost_line_recovers_a_steps_fixed_and_per_row_seconds():
     assert steady.fit() is None  # rows that never vary say nothing of a row's cost
 
 
-def test_proposals_pay_while_acceptance_beats_the_per_row_share_of_a_step():
+def test_proposals_pay_while_accepted_tokens_are_worth_more_than_their_rows_and_their_making():
     line = (0.010, 0.0002)  # 10 ms a step, 0.2 ms a row
-    assert proposals_pay(0.5, line, drawing=1, rows=1)
+    assert proposals_pay(0.5, line, drawing=1, rows=1, proposals=4, proposing_s=0.0)
     # At 64 decoding rows a row is 56 % of the step: half the proposals accepted no longer pays, 90 % does.
-    assert not proposals_pay(0.5, line, drawing=64, rows=64)
-    assert proposals_pay(0.9, line, drawing=64, rows=64)
-    assert proposals_pay(0.0, None, drawing=64, rows=64)  # unmeasured: tried
+    assert not proposals_pay(0.5, line, drawing=64, rows=64, proposals=256, proposing_s=0.0)
+    assert proposals_pay(0.9, line, drawing=64, rows=64, proposals=256, proposing_s=0.0)
+    assert proposals_pay(0.0, None, drawing=64, rows=64, proposals=256, proposing_s=1.0)  # unmeasured: tried
+    # A CPU's step at batch 1 (2 ms, 0.5 ms a row), 60 % of 4 proposals accepted: a draft whose 4 steps take
+    # 1.5 ms each costs more than it saves; one at 0.5 ms each saves more. No proposal never pays.
+    cpu = (0.002, 0.0005)
+    assert not proposals_pay(0.6, cpu, drawing=1, rows=1, proposals=4, proposing_s=0.006)
+    assert proposals_pay(0.6, cpu, drawing=1, rows=1, proposals=4, proposing_s=0.002)
+    assert not proposals_pay(1.0, cpu, drawing=1, rows=1, proposals=0, proposing_s=0.0)
 
 
 def _decoding(scheduler: Scheduler, blocks: BlockManager, **sampling):
@@ -123,30 +129,33 @@ def test_a_step_proposes_within_its_budget_the_tokens_left_and_the_cache_not_for
     assert opted_out.request.sampling.speculative is False
 
 
-def test_one_step_in_16_does_the_opposite_of_what_the_rule_says_and_each_switch_is_logged():
+def test_the_rule_probes_one_sequence_after_16_32_64_steps_when_off_skips_one_in_16_when_on_and_logs_switches():
     blocks = BlockManager(num_blocks=8, block_size=4)
     scheduler = Scheduler(SchedulerConfig(max_batch_size=8, max_tokens_per_step=8), blocks)
     speculator = Speculator(NgramProposer(2, 3), 2, max_seq_len=64)
-    sequence = _decoding(scheduler, blocks)
+    sequences = [_decoding(scheduler, blocks), _decoding(scheduler, blocks)]
+
+    def steps(speculator: Speculator, count: int) -> list[tuple[bool, ...]]:
+        proposing = []
+        for _ in range(count):
+            chunks = speculator.plan(scheduler.schedule(), blocks, scheduler.step_budget)
+            proposing.append(tuple(bool(chunk.proposed) for chunk in chunks))
+            for sequence in sequences:
+                blocks.shrink(sequence, sequence.num_tokens)
+        return proposing
+
     for step in range(40):  # a row costs 10 ms, a step 1 ms more; no proposal is ever accepted
         speculator.settled(2, 0)
         speculator.measured(1 + step % 5, 0.001 + 0.010 * (1 + step % 5))
     with structlog.testing.capture_logs() as logs:
-        proposing = []
-        for _ in range(32):
-            [chunk] = speculator.plan(scheduler.schedule(), blocks, scheduler.step_budget)
-            proposing.append(bool(chunk.proposed))
-            blocks.shrink(sequence, sequence.num_tokens)
-    assert proposing == ([False] * 15 + [True]) * 2
+        proposing = steps(speculator, 120)
+    probes = {step: proposed for step, proposed in enumerate(proposing, 1) if any(proposed)}
+    # After 16 steps, then 32, then 64 (then 128, 256, 256, ...), the first sequence alone.
+    assert probes == {16: (True, False), 48: (True, False), 112: (True, False)}
     [switched] = [entry for entry in logs if entry["event"] == "speculation_switched"]
     assert switched["on"] is False and switched["acceptance"] < 0.2 and switched["row_s"] == pytest.approx(0.01)
     fresh = Speculator(NgramProposer(2, 3), 2, max_seq_len=64)  # unmeasured: proposals are taken to pay
-    proposing = []
-    for _ in range(32):
-        [chunk] = fresh.plan(scheduler.schedule(), blocks, scheduler.step_budget)
-        proposing.append(bool(chunk.proposed))
-        blocks.shrink(sequence, sequence.num_tokens)
-    assert proposing == ([True] * 15 + [False]) * 2
+    assert steps(fresh, 32) == ([(True, True)] * 15 + [(False, False)]) * 2
 
 
 # -- exactness on the bundled model, in float64 (tests/test_engine.py says why)

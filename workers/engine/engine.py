@@ -341,15 +341,14 @@ class Engine:
 
     def _step(self) -> list[TokenEvent]:
         chunks = self._scheduler.schedule()
-        proposing_at = time.monotonic()
         if self._speculator is not None:
             chunks = self._speculator.plan(chunks, self._blocks, self._scheduler.step_budget)
         self._yielded_s = 0.0
         started_at = time.monotonic()
         events = self._compute(chunks)
         prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
-        if self._speculator is not None and chunks:  # what the proposals cost counts too (a draft model's steps)
-            seconds = time.monotonic() - proposing_at - self._yielded_s
+        if self._speculator is not None and chunks:
+            seconds = time.monotonic() - started_at - self._yielded_s
             self._speculator.measured(None if prompt_tokens else sum(c.rows for c in chunks), seconds)
         if prompt_tokens:
             # Decoding rows ride along: an upper bound. The urgent requests' steps run within it are not its cost.
