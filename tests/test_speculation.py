@@ -27,7 +27,8 @@ from workers.engine.model_loader import load_model
 from workers.engine.prompt_lookup import NgramProposer
 from workers.engine.sampler import Draw, DrawBatch, choose
 from workers.engine.scheduler import Scheduler, SchedulerConfig
-from workers.engine.speculation import CostLine, Speculator, accepted_length, proposals_pay
+from workers.engine.speculation import Speculator, accepted_length
+from workers.engine.speculation_rule import CostLine, proposals_pay
 
 
 def _lookup(proposer: NgramProposer, sequence_or_tokens, k: int) -> list[int]:
@@ -145,8 +146,8 @@ def test_the_rule_probes_one_sequence_after_16_32_64_steps_when_off_skips_one_in
         return proposing
 
     for step in range(40):  # a row costs 10 ms, a step 1 ms more; no proposal is ever accepted
-        speculator.settled(2, 0)
-        speculator.measured(1 + step % 5, 0.001 + 0.010 * (1 + step % 5))
+        speculator.rule.settled(2, 0)
+        speculator.rule.measured(1 + step % 5, 0.001 + 0.010 * (1 + step % 5))
     with structlog.testing.capture_logs() as logs:
         proposing = steps(speculator, 120)
     probes = {step: proposed for step, proposed in enumerate(proposing, 1) if any(proposed)}

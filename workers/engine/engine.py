@@ -349,7 +349,7 @@ class Engine:
         prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         if self._speculator is not None and chunks:
             seconds = time.monotonic() - started_at - self._yielded_s
-            self._speculator.measured(None if prompt_tokens else sum(c.rows for c in chunks), seconds)
+            self._speculator.rule.measured(None if prompt_tokens else sum(c.rows for c in chunks), seconds)
         if prompt_tokens:
             # Decoding rows ride along: an upper bound. The urgent requests' steps run within it are not its cost.
             cost = (time.monotonic() - started_at - self._yielded_s) / prompt_tokens
