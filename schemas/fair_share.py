@@ -56,17 +56,22 @@ class FairShare:
         self._return_credit = return_credit
         self._counters: dict[str | None, float] = {}
         self._active: dict[str | None, int] = {}  # tenant -> its requests here (waiting, or running)
-        self._idle_floor = 0.0  # where a tenant starts when none is active: the counter of the last to leave
+        self._floors: dict[str | None, float] = {}  # an active tenant -> the floor it came back to
+        self._idle_floor = 0.0  # where a tenant starts when none is active: the level of the last to leave
 
     def counter(self, tenant: str | None) -> float:
         return self._counters.get(tenant, 0.0)
 
     def arrived(self, tenant: str | None) -> None:
         """A request of the tenant came. One that had none here starts no lower than the return credit below the
-        least served of those that have some (or where the last of them left off): idling banks no more."""
+        floor: the least level of those that have some (or where the last of them left off), a tenant's level
+        being its counter, or the floor it came back to while its credit lasts. So two tenants that come back
+        together start level, where the second would otherwise start a credit below the first: idling banks
+        no more than one credit."""
         if tenant not in self._active:
-            floor = min((self.counter(t) for t in self._active), default=self._idle_floor)
+            floor = min((self._level(t) for t in self._active), default=self._idle_floor)
             self._counters[tenant] = max(self.counter(tenant), floor - self._return_credit)
+            self._floors[tenant] = floor
         self._active[tenant] = self._active.get(tenant, 0) + 1
 
     def left(self, tenant: str | None) -> None:
@@ -75,7 +80,11 @@ class FairShare:
         if not self._active[tenant]:
             del self._active[tenant]
             if not self._active:
-                self._idle_floor = self.counter(tenant)
+                self._idle_floor = self._level(tenant)
+            del self._floors[tenant]
+
+    def _level(self, tenant: str | None) -> float:
+        return max(self.counter(tenant), self._floors[tenant])
 
     def charge(self, tenant: str | None, weight: float, tokens: int) -> None:
         """Tokens served to the tenant."""

@@ -200,9 +200,12 @@ def test_fair_share_counts_tokens_by_weight_and_an_idle_tenant_banks_no_more_tha
     fair.charge("b", 1.0, RETURN_CREDIT - FAIR_PREEMPT_MARGIN)  # within the margin of a: no longer far below
     assert not fair.far_below("b")
     for tenant in ("a", "b"):
-        fair.left(tenant)  # b leaves last, at 2488
-    fair.arrived("c")  # nobody active: a credit below where the last one left off
-    assert fair.counter("c") == 3000 - FAIR_PREEMPT_MARGIN - RETURN_CREDIT
+        fair.left(tenant)  # b leaves last, at 2488 with its credit not all spent: at the level of 3000
+    fair.arrived("c")  # nobody active: a credit below the level the last one left at
+    assert fair.counter("c") == 3000 - RETURN_CREDIT
+    fair.arrived("d")  # it comes back while c is in its credit: level with c, not a credit below it
+    assert fair.counter("d") == fair.counter("c") and not fair.far_below("d") and not fair.far_below("c")
+    fair.left("d")
     fair.charge("c", 1.0, 10)
     assert fair.order("c", 4.5) < fair.order("a", 4.5)  # within a level, the counter
     fair.charge("c", 1.0, 100_000)
