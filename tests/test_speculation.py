@@ -28,7 +28,7 @@ from workers.engine.prompt_lookup import NgramProposer
 from workers.engine.sampler import Draw, DrawBatch, choose
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.speculation import Speculator, accepted_length
-from workers.engine.speculation_rule import CostLine, proposals_pay
+from workers.engine.speculation_rule import CostLine, SpeculationRule, proposals_pay
 
 
 def _lookup(proposer: NgramProposer, sequence_or_tokens, k: int) -> list[int]:
@@ -80,21 +80,38 @@ def test_the_cost_line_recovers_a_steps_fixed_and_per_row_seconds():
     for _ in range(60):
         steady.add(8, 0.02)
     assert steady.fit() is None  # rows that never vary say nothing of a row's cost
+    assert steady.at(16) == pytest.approx(0.04)  # without a line: in proportion to the rows
+    assert CostLine().at(16) == 0.0  # nothing measured
 
 
 def test_proposals_pay_while_accepted_tokens_are_worth_more_than_their_rows_and_their_making():
     line = (0.010, 0.0002)  # 10 ms a step, 0.2 ms a row
-    assert proposals_pay(0.5, line, drawing=1, rows=1, proposals=4, proposing_s=0.0)
+    assert proposals_pay(0.5, line, drawing=1, proposals=4, proposing_s=0.0)
     # At 64 decoding rows a row is 56 % of the step: half the proposals accepted no longer pays, 90 % does.
-    assert not proposals_pay(0.5, line, drawing=64, rows=64, proposals=256, proposing_s=0.0)
-    assert proposals_pay(0.9, line, drawing=64, rows=64, proposals=256, proposing_s=0.0)
-    assert proposals_pay(0.0, None, drawing=64, rows=64, proposals=256, proposing_s=1.0)  # unmeasured: tried
+    assert not proposals_pay(0.5, line, drawing=64, proposals=256, proposing_s=0.0)
+    assert proposals_pay(0.9, line, drawing=64, proposals=256, proposing_s=0.0)
+    assert proposals_pay(0.0, None, drawing=64, proposals=256, proposing_s=1.0)  # unmeasured: tried
     # A CPU's step at batch 1 (2 ms, 0.5 ms a row), 60 % of 4 proposals accepted: a draft whose 4 steps take
     # 1.5 ms each costs more than it saves; one at 0.5 ms each saves more. No proposal never pays.
     cpu = (0.002, 0.0005)
-    assert not proposals_pay(0.6, cpu, drawing=1, rows=1, proposals=4, proposing_s=0.006)
-    assert proposals_pay(0.6, cpu, drawing=1, rows=1, proposals=4, proposing_s=0.002)
-    assert not proposals_pay(1.0, cpu, drawing=1, rows=1, proposals=0, proposing_s=0.0)
+    assert not proposals_pay(0.6, cpu, drawing=1, proposals=4, proposing_s=0.006)
+    assert proposals_pay(0.6, cpu, drawing=1, proposals=4, proposing_s=0.002)
+    assert not proposals_pay(1.0, cpu, drawing=1, proposals=0, proposing_s=0.0)
+
+
+def test_the_rule_counts_what_proposing_costs_and_learns_the_cost_line_from_decode_only_steps():
+    rule = SpeculationRule(num_tokens=4)
+    for step in range(100):  # a step: 2 ms and 0.5 ms a row; 60 % of the proposals accepted
+        rule.settled(4, 2 + step % 2)
+        rule.measured(1 + step % 5, 0.002 + 0.0005 * (1 + step % 5))
+    assert rule.cost.fit() == pytest.approx((0.002, 0.0005))
+    assert rule.acceptance == pytest.approx(0.6, abs=0.05)
+    rule.measured(None, 5.0)  # a step with prompt rows: not on the line
+    assert rule.cost.fit() == pytest.approx((0.002, 0.0005))
+    assert rule.asking(drawing=1, speculating=1) == 1  # prompt lookup's proposals cost next to nothing
+    for _ in range(40):  # a draft whose 4 steps take 1.5 ms each: more than its 2.4 tokens save
+        rule.proposed(asked=1, made=4, seconds=0.006)
+    assert rule.asking(drawing=1, speculating=1) == 0
 
 
 def _decoding(scheduler: Scheduler, blocks: BlockManager, **sampling):

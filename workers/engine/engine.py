@@ -346,13 +346,12 @@ class Engine:
         self._yielded_s = 0.0
         started_at = time.monotonic()
         events = self._compute(chunks)
+        seconds = time.monotonic() - started_at - self._yielded_s  # less urgent requests' steps run within it
         prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         if self._speculator is not None and chunks:
-            seconds = time.monotonic() - started_at - self._yielded_s
             self._speculator.rule.measured(None if prompt_tokens else sum(c.rows for c in chunks), seconds)
         if prompt_tokens:
-            # Decoding rows ride along: an upper bound. The urgent requests' steps run within it are not its cost.
-            cost = (time.monotonic() - started_at - self._yielded_s) / prompt_tokens
+            cost = seconds / prompt_tokens  # decoding rows ride along: an upper bound
             self.seconds_per_prompt_token = (
                 0.8 * self.seconds_per_prompt_token + 0.2 * cost if self.seconds_per_prompt_token else cost
             )

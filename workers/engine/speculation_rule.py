@@ -31,8 +31,8 @@ _FIT_STEPS = 8  # steps measured before a cost line is trusted
 
 
 class CostLine:
-    """A step's seconds against its rows, seconds = a + b·rows, fitted by least squares over the recent steps
-    (each step's weight decays by _DECAY per step after it)."""
+    """Seconds against a count (a step's rows; the sequences a proposer was asked for), seconds = a + b·rows,
+    fitted by least squares over the recent steps (each step's weight decays by _DECAY per step after it)."""
 
     def __init__(self) -> None:
         self._sums = [0.0] * 5  # decayed: steps, rows, seconds, rows², rows·seconds
@@ -63,20 +63,20 @@ class CostLine:
 
 
 def proposals_pay(
-    acceptance: float, line: tuple[float, float] | None, drawing: int, rows: int, proposals: float, proposing_s: float
+    acceptance: float, line: tuple[float, float] | None, drawing: int, proposals: float, proposing_s: float
 ) -> bool:
     """Whether `proposals` tokens, made in `proposing_s` seconds and accepted at the share `acceptance`, raise
-    the tokens per second of a step of `rows` rows where `drawing` sequences draw, when the target's step costs
-    line = (a, b): a + b·rows seconds.
+    the tokens per second of a step where `drawing` sequences decode, when the target's step of R rows costs
+    line = (a, b): a + b·R seconds.
 
-    The step yields drawing + acceptance·proposals tokens in a + b·(rows + proposals) + proposing_s seconds,
-    against drawing tokens in a + b·rows: more per second iff
-    acceptance·proposals·(a + b·rows) > drawing·(b·proposals + proposing_s). Unmeasured (None), they are taken
-    to pay.
+    The step yields drawing + acceptance·proposals tokens in a + b·(drawing + proposals) + proposing_s
+    seconds, against drawing tokens in a + b·drawing: more per second iff
+    acceptance·proposals·(a + b·drawing) > drawing·(b·proposals + proposing_s). Unmeasured (None), they are
+    taken to pay.
     """
     if line is None:
         return True
-    return acceptance * proposals * (line[0] + line[1] * rows) > drawing * (line[1] * proposals + proposing_s)
+    return acceptance * proposals * (line[0] + line[1] * drawing) > drawing * (line[1] * proposals + proposing_s)
 
 
 class SpeculationRule:
@@ -103,7 +103,7 @@ class SpeculationRule:
         line = self.cost.fit()
         proposals = self.proposal_length * speculating
         proposing_s = self.proposing.at(speculating)
-        pays = proposals_pay(self.acceptance, line, drawing, drawing, proposals, proposing_s)
+        pays = proposals_pay(self.acceptance, line, drawing, proposals, proposing_s)
         if pays != self._on:
             self._on, self._steps, self._probe_wait = pays, 0, _PROBE_EVERY
             log.info(
