@@ -153,7 +153,7 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
     Every worker speculates (prompt lookup): whichever worker computes a token, proposals or none, it is the same."""
     kafka = ["--kafka-bootstrap", kafka_bootstrap, "--topic-prefix", topic_prefix]
     lora = ["--lora", f"shout={BUNDLED_ADAPTERS['shout']}"]
-    speculative = ["--speculative", "ngram"]
+    speculative = ["--speculative", "ngram", "--speculative-always"]
     metrics = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     workers = [
         spawn("worker", *kafka, *lora, *speculative, "--worker-id", f"w{i}", "--metrics-address", metrics[i])

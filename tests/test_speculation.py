@@ -112,6 +112,11 @@ def test_the_rule_counts_what_proposing_costs_and_learns_the_cost_line_from_deco
     for _ in range(40):  # a draft whose 4 steps take 1.5 ms each: more than its 2.4 tokens save
         rule.proposed(asked=1, made=4, seconds=0.006)
     assert rule.asking(drawing=1, speculating=1) == 0
+    always = SpeculationRule(num_tokens=4, always=True)  # --speculative-always: proposals whatever they cost
+    for _ in range(40):
+        always.measured(1, 0.002)
+        always.proposed(asked=1, made=4, seconds=0.006)
+    assert always.asking(drawing=3, speculating=2) == 2
 
 
 def _decoding(scheduler: Scheduler, blocks: BlockManager, **sampling):
@@ -215,10 +220,13 @@ def _same(expected: list[tuple], got: list[tuple]) -> None:
         assert [v for _, v in flat2] == pytest.approx([v for _, v in flat], abs=1e-9), index
 
 
-DRAFT = {"speculative": "draft", "speculative_model": str(BUNDLED_DRAFT_MODEL)}
+# Proposing in every step (--speculative-always): how much the measured rule would propose depends on the
+# machine's timings (prompt lookup pays on a CPU, the bundled draft does not), and these tests are of exactness.
+NGRAM = {"speculative": "ngram", "speculative_always": True}
+DRAFT = {"speculative": "draft", "speculative_model": str(BUNDLED_DRAFT_MODEL), "speculative_always": True}
 
 
-@pytest.mark.parametrize("proposing", [{"speculative": "ngram"}, DRAFT], ids=["ngram", "draft"])
+@pytest.mark.parametrize("proposing", [NGRAM, DRAFT], ids=["ngram", "draft"])
 def test_seeded_sampling_penalties_stops_and_logprobs_give_the_same_tokens_with_proposals_alone_or_batched(
     loaded,  # noqa: F811
     proposing,
@@ -246,7 +254,7 @@ def test_seeded_sampling_penalties_stops_and_logprobs_give_the_same_tokens_with_
     _same(runs["plain"][:8], runs["speculating alone"])
 
 
-@pytest.mark.parametrize("proposing", [{"speculative": "ngram"}, DRAFT], ids=["ngram", "draft"])
+@pytest.mark.parametrize("proposing", [NGRAM, DRAFT], ids=["ngram", "draft"])
 def test_a_grammar_takes_only_proposals_it_allows_and_gives_the_same_tokens(loaded, proposing):  # noqa: F811
     # A grammar that repeats: prompt lookup proposes from its own output, some of which the grammar allows.
     grammar = LLMatcher.grammar_from_regex(r"(red|green|blue)( (red|green|blue)){11}")
@@ -323,7 +331,7 @@ def test_the_proposal_rule_keeps_the_targets_distribution_and_fails_the_test_wit
 
 def test_serve_speculates_exactly_counts_it_in_metrics_and_a_request_may_opt_out(tmp_path):
     """With the bundled draft model (the failover tests' workers use prompt lookup)."""
-    draft = ["--speculative-model", str(BUNDLED_DRAFT_MODEL), "--num-speculative-tokens", "3"]
+    draft = ["--speculative-model", str(BUNDLED_DRAFT_MODEL), "--num-speculative-tokens", "3", "--speculative-always"]
     with serving(tmp_path, *draft) as served:
         body = {"model": "tokenrelay-tiny", "prompt": PROMPTS[1], "max_tokens": 48, "temperature": 0, "seed": 5}
         speculated = httpx.post(served.url("/v1/completions"), json=body, timeout=60).json()

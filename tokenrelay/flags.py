@@ -295,6 +295,14 @@ def _model_options(parser: _Parser) -> None:
         default=4,
         help="tokens proposed per sequence and step, at most (from 1 to 16)",
     )
+    _option(
+        parser,
+        "--speculative-always",
+        action="store_true",
+        default=False,
+        help="propose in every decode step, without the measured rule that stops proposing where it would lower "
+        "the tokens per second (for a proposer known to pay, as vLLM and TGI always propose)",
+    )
     _option(parser, "--ngram-min", type=int, default=2, help="the shortest n-gram prompt lookup matches (at least 1)")
     _option(parser, "--ngram-max", type=int, default=4, help="the longest n-gram prompt lookup matches (at most 16)")
 

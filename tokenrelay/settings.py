@@ -254,6 +254,7 @@ def _speculation(args: argparse.Namespace) -> dict:
         "speculative": method,
         "speculative_model": str(Path(args.speculative_model).resolve()) if args.speculative_model else None,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_always": args.speculative_always,
         "ngram_min": args.ngram_min,
         "ngram_max": args.ngram_max,
     }

@@ -26,6 +26,7 @@ class EngineConfig:
     speculative: str = ""  # how tokens are proposed for verification in one step (speculation.py): "", "ngram", "draft"
     speculative_model: str | None = None  # "draft": the draft model's directory (draft.py)
     num_speculative_tokens: int = 4  # proposed per sequence and step, at most
+    speculative_always: bool = False  # propose in every step, without the measured rule (speculation_rule.py)
     ngram_min: int = 2  # prompt lookup matches the context's last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4
 

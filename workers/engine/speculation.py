@@ -82,12 +82,12 @@ class SpeculationCounts:
 class Speculator:
     """Gives a step's decoding chunks their proposals, where they pay (see the module's docstring)."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int, max_seq_len: int) -> None:
+    def __init__(self, proposer: Proposer, num_tokens: int, max_seq_len: int, always: bool = False) -> None:
         self._proposer = proposer
         self._k = num_tokens
         self._max_seq_len = max_seq_len
         self.counts = SpeculationCounts()
-        self.rule = SpeculationRule(num_tokens)
+        self.rule = SpeculationRule(num_tokens, always)
 
     def plan(self, chunks: list[Chunk], blocks: BlockManager, budget: int) -> list[Chunk]:
         """The chunks, decoding ones with proposals where these pay and fit the step's budget and the cache."""
@@ -159,4 +159,4 @@ def speculator_for(config: EngineConfig, target: Any, target_tokens: int) -> Spe
         proposer = DraftProposer(draft, target, config, target_tokens)
     else:
         raise ValueError(f"speculative {config.speculative!r} is none of {', '.join(SPECULATIVE_METHODS)}")
-    return Speculator(proposer, config.num_speculative_tokens, config.max_seq_len)
+    return Speculator(proposer, config.num_speculative_tokens, config.max_seq_len, config.speculative_always)

@@ -15,7 +15,7 @@ target does). So that both kinds of step stay measured, while proposals pay
 one step in 16 proposes nothing, and while they do not one sequence proposes
 after 16 steps, then 32, 64, up to 256 (one: a draft model catching up the
 tokens it missed makes such a step dear). Each switch is logged with its
-figures.
+figures. `--speculative-always` has every step propose, as vLLM and TGI do.
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def proposals_pay(
 class SpeculationRule:
     """Whether a step proposes, and for how many sequences, from what the recent steps measured."""
 
-    def __init__(self, num_tokens: int) -> None:
+    def __init__(self, num_tokens: int, always: bool = False) -> None:
+        """`always`: every speculating sequence proposes in every step, measured or not (--speculative-always)."""
+        self._always = always
         self.cost = CostLine()  # the target's decode-only steps
         self.proposing = CostLine()  # the proposer's seconds against the sequences asked
         # Decayed over the steps that proposed; optimistic until measured:
@@ -98,8 +100,8 @@ class SpeculationRule:
         where not, except for the probes that keep both kinds of step measured (the module's docstring). A probe
         where proposals do not pay asks one sequence, whose catching up is all a draft does. A change of mind
         is logged."""
-        if not speculating:
-            return 0
+        if not speculating or self._always:
+            return speculating
         line = self.cost.fit()
         proposals = self.proposal_length * speculating
         proposing_s = self.proposing.at(speculating)
