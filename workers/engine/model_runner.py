@@ -364,7 +364,8 @@ class ModelRunner:
         """Called first on the thread that steps the model."""
         self._thread = threading.get_ident()
         if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # per thread: the kernels launch on the current device
+            # Per thread: the kernels launch on the current device. set_device takes an index: "cuda" alone is 0's.
+            torch.cuda.set_device(self._device.index or 0)
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], drawing: list[Chunk]) -> StepOutput:
@@ -564,7 +565,7 @@ class ModelRunner:
         """Peak memory of an eager step of `tokens` tokens (one prompt, or as many decoding sequences) and of
         sampling the largest batch, over a cache of its own."""
         size, rows = self.block_size, self._config.max_batch_size
-        blocks = -(-tokens // size)
+        blocks = -(-tokens // size) if prompt else tokens  # decoding sequences: a block each
         kv = self._allocate(blocks)
         if prompt:
             tables, lengths, slots = [list(range(blocks))], [tokens], list(range(tokens))
