@@ -76,6 +76,22 @@ async def _wait_for(condition, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+def _routed(gateway) -> list[dict]:
+    return gateway.process.events_named("request_routed")
+
+
+async def _until_routed(client: httpx.AsyncClient, gateway) -> int:
+    """Send small requests until one is routed to a worker's inbox: the gateway's router has heard the worker's
+    load (a request sent between the worker's heartbeat, which makes the model ready, and its first load report
+    reaching the router goes to the shared queue). The requests routed so far."""
+    url = gateway.url(f"/v2/models/{MODEL}/generate")
+    deadline = time.monotonic() + 30
+    while not _routed(gateway):
+        assert time.monotonic() < deadline, f"no request was routed: {gateway.process.log_tail()}"
+        assert (await client.post(url, json=_body(1))).status_code == 200
+    return len(_routed(gateway))
+
+
 async def test_urgent_streams_overtake_200_background_streams_on_a_saturated_worker(kafka_bootstrap, tmp_path):
     with on_kafka(tmp_path, kafka_bootstrap, worker_args=(*SIMULATED, "--max-batch-size", "16")) as (gateway, worker):
         url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
@@ -190,8 +206,7 @@ async def test_past_its_in_flight_limit_a_gateway_answers_429_with_retry_after(k
         async with _client() as client:
             first, second = _Stream(), _Stream()  # 500 tokens: seconds, at a simulated step's few ms
             streams = [asyncio.create_task(s.run(client, stream_url, _body(500))) for s in (first, second)]
-            while not (first.event_times and second.event_times):
-                await asyncio.sleep(0.05)
+            await _wait_for(lambda: first.event_times and second.event_times, 60, "both streams' first events")
             refused = await client.post(gateway.url(f"/v2/models/{MODEL}/generate"), json=_body(4))
             await asyncio.gather(*streams)
             accepted = await client.post(gateway.url(f"/v2/models/{MODEL}/generate"), json=_body(4))
@@ -209,13 +224,12 @@ async def test_past_the_waiting_limit_a_request_no_worker_has_room_for_gets_429_
     with on_kafka(tmp_path, kafka_bootstrap, worker_args=worker_args, gateway_args=gateway_args) as (gateway, _):
         stream_url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
         async with _client() as client:
+            routed = await _until_routed(client, gateway)
             running, waiting = _Stream(), _Stream()  # 500 tokens: seconds, at a simulated step's few ms
             streams = [asyncio.create_task(running.run(client, stream_url, _body(500)))]
-            while not running.event_times:
-                await asyncio.sleep(0.05)
+            await _wait_for(lambda: running.event_times, 60, "the first stream's first event")
             streams.append(asyncio.create_task(waiting.run(client, stream_url, _body(500))))
-            while not gateway.process.events_named("request_routed")[1:]:
-                await asyncio.sleep(0.05)
+            await _wait_for(lambda: len(_routed(gateway)) == routed + 2, 60, "both streams to be routed")
             refused = await client.post(gateway.url(f"/v2/models/{MODEL}/generate"), json=_body(4))
             urgent = await client.post(gateway.url(f"/v2/models/{MODEL}/generate"), json=_body(4, priority=1))
             await asyncio.gather(*streams)
@@ -242,8 +256,7 @@ async def test_a_gateway_that_dies_mid_stream_frees_the_workers_slots_within_10_
         async with _client() as client:
             streams = [_Stream() for _ in range(8)]
             running = [asyncio.create_task(s.run(client, url, _body(4000))) for s in streams]
-            while not all(s.event_times for s in streams):
-                await asyncio.sleep(0.05)
+            await _wait_for(lambda: all(s.event_times for s in streams), 60, "every stream's first event")
             gateway.popen.kill()  # no goodbye: its heartbeats just stop
             killed_at = time.monotonic()
             await asyncio.gather(*running, return_exceptions=True)

@@ -10,6 +10,7 @@ from gateway.dispatch import Dispatcher
 from gateway.inflight import InFlight
 from gateway.router import ADAPTER_LOAD_TOKENS, Router
 from schemas.messages import ChatMessage, GenerationRequest, SamplingParams, WorkerLoad
+from workers.load_report import LoadReporter
 
 
 def _load(worker: str, running: int = 0, capacity: int = 4, prefixes=(), **fields) -> WorkerLoad:
@@ -364,3 +365,24 @@ async def test_a_request_of_a_tenant_far_below_another_s_share_goes_past_a_full_
     assert heavy.worker_id is None
     sent = await asyncio.wait_for(anext(aiter(await _received(bus, "inbox.a"))), 1)
     assert (sent.request_id, sent.preempt_for_share) == ("l0", True)  # marked: the worker preempts for it
+
+
+async def test_a_worker_reports_its_load_as_it_starts_not_a_heartbeat_later():
+    """A gateway hears a starting worker's heartbeat (the model is ready) and its load together: a request sent
+    between the two would go to the shared queue, unrouted (test_kafka_transport waited a second for it)."""
+    bus = InProcessBus()
+    await bus.create_topics({"routing": 1})
+    routing = await bus.listen("routing")
+    identity = {"worker_id": "w", "model": "m", "inbox": "inbox.w"}
+    load = _load("w").model_dump(include={"capacity", "running", "waiting", "running_by_priority", "kv_blocks"})
+    load |= {"free_kv_blocks": 100, "block_size": 16}
+    reporter = LoadReporter(bus, "routing", identity, interval_s=60.0, load=lambda: load)
+    reporting = asyncio.create_task(reporter.run())
+    try:
+        async with asyncio.timeout(5):
+            report = await anext(aiter(routing))
+    finally:
+        reporting.cancel()
+    router = Router("replies")
+    router.observe(report)
+    assert router.knows("m") and report.worker_id == "w" and report.interval_s == 60.0

@@ -1,6 +1,6 @@
 """A worker's load reports on the routing topic, for the gateways' routers (gateway/router.py).
 
-A report goes out with every heartbeat and, when the load or the cache
+A report goes out when the worker starts, with every heartbeat and, when the load or the cache
 changed, as soon as `MIN_GAP_S` has passed since the previous one: a slot
 that frees up is known to the gateways within about a tenth of a second, and
 a busy worker sends at most ten reports a second. (A report every 20 ms cost
@@ -73,12 +73,14 @@ class LoadReporter:
         )
 
     async def run(self) -> None:
+        """Report at once (a worker that just started is routable as soon as its heartbeat says it serves),
+        then with every heartbeat and on changes."""
         while True:
+            self._changed.clear()
+            await self._bus.publish_or_log(self._topic, self.report(), "load_not_published")
+            await asyncio.sleep(MIN_GAP_S)
             try:
                 async with asyncio.timeout(self._interval_s):
                     await self._changed.wait()
             except TimeoutError:
                 pass
-            self._changed.clear()
-            await self._bus.publish_or_log(self._topic, self.report(), "load_not_published")
-            await asyncio.sleep(MIN_GAP_S)
