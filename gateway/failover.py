@@ -75,12 +75,14 @@ class Failover:
         self._unpublished: set[InFlight] = set()  # failed over, but the bus refused it: tried again each check
         self._cancelling: set[asyncio.Task] = set()
 
-    def on_events(self, batch: TokenEvents) -> None:
+    def on_events(self, batch: TokenEvents) -> list[InFlight]:
+        """Deliver a worker's events; the requests whose first tokens they bring (the worker holds their prompts)."""
         routed = self._registry.deliver(batch)
         for event in routed.unwanted:
             self._stop_unwanted(event)
         for inflight in routed.broken:
             self._fail_over(inflight, TOKENS_LOST)
+        return routed.prefilled
 
     def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         for inflight in self._registry.handed_back(heartbeat):

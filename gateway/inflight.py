@@ -161,6 +161,7 @@ class Routed:
 
     unwanted: list[TokenEvent] = field(default_factory=list)  # nobody waits for them: stop their generation
     broken: list[InFlight] = field(default_factory=list)  # tokens went missing: fail over
+    prefilled: list[InFlight] = field(default_factory=list)  # first tokens came: the worker holds their prompts
 
 
 class InFlightRegistry:
@@ -199,6 +200,8 @@ class InFlightRegistry:
                     routed.broken.append(inflight)
             elif event.index == inflight.next_index or not event.token_ids:  # else delivered already
                 inflight.deliver(event, batch.worker_id)
+                if event.prompt_tokens is not None and event.token_ids:
+                    routed.prefilled.append(inflight)
         return routed
 
     def observe(self, heartbeat: WorkerHeartbeat) -> list[InFlight]:

@@ -206,6 +206,14 @@ class Router:
             worth = max(worth, (load_tokens - least_load) * least_load_view.load.seconds_per_prompt_token)
         return Route(view.load.worker_id, view.load.inbox, cached, worth, tuple(evict_first))
 
+    def holds(self, worker_id: str, hashes: list[int]) -> None:
+        """The worker's first event of a request says its prompt's prefixes (`hashes`) are in its cache now. Its
+        report of them comes a tenth of a second or more later: a next turn sent sooner (an agent's, the moment
+        an answer ends) follows its conversation all the same. A prompt the worker did not keep (no prefix cache,
+        or evicted since) is a stale hint until its next snapshot of its prefixes."""
+        if (view := self._workers.get(worker_id)) is not None:
+            view.prefixes.update(hashes)
+
     def routed(self, route: Route) -> None:
         """The request went where `route` says: count it against that worker's room until a report shows it read."""
         self._count(route, 1)

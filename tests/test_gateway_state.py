@@ -42,7 +42,7 @@ def _request(request_id: str, timeout_s: float = 60, attempt: int = 0) -> Genera
     )
 
 
-def _event(request_id: str, index: int, attempt: int = 0, last: bool = False) -> TokenEvent:
+def _event(request_id: str, index: int, attempt: int = 0, last: bool = False, **fields) -> TokenEvent:
     return TokenEvent(
         request_id=request_id,
         attempt=attempt,
@@ -50,6 +50,7 @@ def _event(request_id: str, index: int, attempt: int = 0, last: bool = False) ->
         token_ids=[index],
         text=f"<{index}>",
         finish_reason=FinishReason.LENGTH if last else None,
+        **fields,
     )
 
 
@@ -61,6 +62,15 @@ async def test_replies_reach_their_own_request_and_end_with_the_last_event():
     assert [e.text async for e in a.events()] == ["<0>", "<1>"]
     assert [e.text async for e in b.events()] == ["<0>", "<1>"]
     assert a.finished and a.worker_ended
+
+
+async def test_a_first_event_says_its_worker_holds_the_prompt_and_no_other_event_does():
+    registry = InFlightRegistry()
+    a, b = registry.open(_request("a"), "a"), registry.open(_request("b", attempt=1), "b")
+    first = [_event("a", 0, prompt_tokens=9), _event("b", 0, prompt_tokens=9)]  # b's from a stale attempt
+    assert registry.deliver(TokenEvents(worker_id="w", events=first)).prefilled == [a]
+    later = [_event("a", 1), _event("b", 0, attempt=1, prompt_tokens=11)]  # b's first of its own attempt
+    assert registry.deliver(TokenEvents(worker_id="w", events=later)).prefilled == [b]
 
 
 async def test_requests_are_found_by_model_and_client_id():

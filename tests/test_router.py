@@ -26,7 +26,7 @@ def _load(worker: str, running: int = 0, capacity: int = 4, prefixes=(), **field
         free_kv_blocks=fields.pop("free_kv_blocks", 100 - running),
         block_size=16,
         prefixes_added=list(prefixes),
-        snapshot=True,
+        snapshot=fields.pop("snapshot", True),
         interval_s=1.0,
         **fields,
     )
@@ -70,6 +70,25 @@ def test_the_worker_with_room_that_holds_most_of_the_prompt_wins_and_the_load_br
     assert route.worth_waiting_s == 0.0  # the full one reports no prompt cost yet
     assert router.choose("m", 5, []).worker_id == "cold"  # nothing cached anywhere: the least busy
     assert router.choose("other model", 5, hashes) is None
+
+
+def test_a_next_turn_sent_before_the_workers_report_of_its_cache_follows_its_conversation():
+    router = Router("replies")
+    turn = _request(chat_messages=[ChatMessage(role="user", content="u" * 1000)], text=None)
+    hashes = prefix_hashes(turn)
+    reply = ChatMessage(role="assistant", content="a" * 200)
+    next_turn = prefix_hashes(_request(chat_messages=[*turn.chat_messages, reply], text=None))
+    # The last reports of both: as busy as each other, neither holding the conversation yet.
+    router.observe(_load("a", running=1, snapshot=False))
+    router.observe(_load("b", running=1, snapshot=False))
+    assert router.choose("m", 5, next_turn).cached_tokens == 0
+    router.holds("b", hashes)  # b's first event of the turn: its prompt is in b's cache
+    route = router.choose("m", 5, next_turn)
+    assert route.worker_id == "b" and route.cached_tokens == len(hashes) * CHUNK_BYTES // 4
+    # A snapshot of b's prefixes without the prompt (evicted, or never kept) clears the hint.
+    router.observe(_load("b", running=1))
+    assert router.choose("m", 5, next_turn).cached_tokens == 0
+    router.holds("gone", hashes)  # a worker it does not know: nothing to hold it
 
 
 def test_a_draining_worker_gets_nothing_more_even_holding_the_whole_prompt():
