@@ -4,8 +4,8 @@ Gateways and workers heartbeat on the control topic and read it, their own
 heartbeats included. A broker outage silences every peer at once, and so does
 a consumer that stopped fetching; neither means the peers died. So silence
 counts only while this process hears its own heartbeats: a peer is gone once
-the topic has worked for `silence_s` without a word from it, or once it said
-goodbye. Publishing its own heartbeats successfully for `stuck_after_s`
+the topic has carried `silence_s` of its own heartbeats without a word from
+it, or once it said goodbye. Publishing its own heartbeats successfully for `stuck_after_s`
 (every one of them, so the broker is there) while none of them comes back
 means this process's consumer is stuck.
 """
@@ -75,13 +75,18 @@ class PeerClock:
         return now - self._own_heard_at
 
     def gone(self, peer: str, now: float) -> bool:
-        """Said goodbye, or silent for `silence_s` of a working topic. An unknown peer is not gone."""
+        """Said goodbye, or silent for `silence_s` of a working topic. An unknown peer is not gone.
+
+        Its silence is counted up to the last own heartbeat heard, not up to `now`: what this process has not
+        read yet (its event loop or its consumer paused for a couple of seconds, on a loaded machine) may hold
+        the peer's next heartbeat, and the own heartbeats after it."""
         if peer in self._left:
             return True
         heard_at = self._heard.get(peer)
         if heard_at is None or not self.working(now):
             return False
-        return now - max(heard_at, self._working_since) > self._silence_s
+        assert self._own_heard_at is not None  # working
+        return self._own_heard_at - max(heard_at, self._working_since) > self._silence_s
 
     def stuck(self) -> bool:
         """Own heartbeats were published, each of them, for `stuck_after_s` and none came back."""
