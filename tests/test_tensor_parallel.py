@@ -254,12 +254,18 @@ async def test_a_rank_killed_mid_stream_ends_its_worker_and_its_streams_resume_i
     url = f"http://127.0.0.1:{port}/v2/models/tokenrelay-tiny/generate_stream"
     reference = await _seeded_streams(url, 16)
     admitted_before = len(split.events_named("request_admitted"))
+    # The gateway routes by the workers' load reports: one sent as the split worker's last reference stream ended
+    # may come after the next run is routed, which then all goes to the whole worker, seen idle (as in CI once).
+    # A report comes at least once a heartbeat (1 s).
+    await asyncio.sleep(1.5)
 
     async def kill_rank(streams: list[_Stream]) -> None:
+        deadline = time.monotonic() + 60
         while (
             sum(len(s.counts) >= 8 for s in streams) < 8
             or len(split.events_named("request_admitted")) == admitted_before
         ):
+            assert time.monotonic() < deadline, f"the split worker took none of the streams: {split.log_tail()}"
             await asyncio.sleep(0.05)
         os.kill(rank, signal.SIGKILL)
 
