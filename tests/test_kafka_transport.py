@@ -225,6 +225,9 @@ async def test_past_the_waiting_limit_a_request_no_worker_has_room_for_gets_429_
         stream_url = gateway.url(f"/v2/models/{MODEL}/generate_stream")
         async with _client() as client:
             routed = await _until_routed(client, gateway)
+            # The worker's report that the warm-up ended (within 0.1 s of it): until it comes, the router counts
+            # the warm-up as running and the first stream as unread, no room for the second, which is refused.
+            await asyncio.sleep(1.0)
             running, waiting = _Stream(), _Stream()  # 500 tokens: seconds, at a simulated step's few ms
             streams = [asyncio.create_task(running.run(client, stream_url, _body(500)))]
             await _wait_for(lambda: running.event_times, 60, "the first stream's first event")
