@@ -5,9 +5,9 @@ heartbeats included. A broker outage silences every peer at once, and so does
 a consumer that stopped fetching; neither means the peers died. So silence
 counts only while this process hears its own heartbeats: a peer is gone once
 the topic has carried `silence_s` of its own heartbeats without a word from
-it, or once it said goodbye. Publishing its own heartbeats successfully for `stuck_after_s`
-(every one of them, so the broker is there) while none of them comes back
-means this process's consumer is stuck.
+it, or once it said goodbye. Publishing its own heartbeats successfully for
+`stuck_after_s` (every one of them, so the broker is there) while none of
+them comes back means this process's consumer is stuck.
 """
 
 from __future__ import annotations

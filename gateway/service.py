@@ -179,8 +179,10 @@ class GatewayService:
     async def _route_replies(self, replies: Listener) -> None:
         async for message in replies:
             if isinstance(message, TokenEvents):
-                for inflight in self._failover.on_events(message):
-                    self.router.holds(message.worker_id, inflight.prefix_hashes)
+                prefilled = self._failover.on_events(message)
+                if self._settings.route:  # else its prompts' hashes are never computed
+                    for inflight in prefilled:
+                        self.router.holds(message.worker_id, inflight.prefix_hashes)
             elif isinstance(message, GatewayHeartbeat) and message.gateway_id == self.gateway_id:
                 self._reply_echo.own_heard(time.monotonic())
             elif isinstance(message, StopAnswer):

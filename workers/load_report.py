@@ -1,7 +1,8 @@
 """A worker's load reports on the routing topic, for the gateways' routers (gateway/router.py).
 
-A report goes out when the worker starts, with every heartbeat and, when the load or the cache
-changed, as soon as `MIN_GAP_S` has passed since the previous one: a slot
+A report goes out when the worker starts, with every heartbeat and, when
+the load or the cache changed, as soon as `MIN_GAP_S` has passed since the
+previous one: a slot
 that frees up is known to the gateways within about a tenth of a second, and
 a busy worker sends at most ten reports a second. (A report every 20 ms cost
 a CPU worker a tenth of its throughput at low load: its encoding, sending
