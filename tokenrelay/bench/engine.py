@@ -324,6 +324,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="with --speculative: k")
     parser.add_argument(
+        "--speculative-always",
+        action="store_true",
+        help="with --speculative: propose in every step, without the measured rule (as the worker's flag)",
+    )
+    parser.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 16], help="with --speculative: the batch sizes compared"
     )
     parser.add_argument(

@@ -67,6 +67,7 @@ def compare(loaded, args: argparse.Namespace) -> dict:
         speculative=args.speculative,
         speculative_model=args.speculative_model if args.speculative == "draft" else None,
         num_speculative_tokens=args.num_speculative_tokens,
+        speculative_always=args.speculative_always,
     )
     most = max(args.concurrency) * 4
     workloads = {
@@ -120,6 +121,7 @@ def compare(loaded, args: argparse.Namespace) -> dict:
     report = {
         "speculative": args.speculative,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_always": args.speculative_always,
         "device": str(loaded.device),
         "dtype": str(loaded.model.dtype),
         "rows": rows,
