@@ -37,8 +37,9 @@ class LoraRows:
         self.slots, self.rank, self._pool_slots = slots, rank, pool_slots
         self._selected: tuple[torch.Tensor, LoraRows] | None = None
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # on the CPU: (slot, its rows; None: every row)
-        if slots.is_cuda:  # device tensors only: no host sync, so that a graph captures it
-            counts = torch.bincount(slots + 1, minlength=pool_slots + 1)
+        if slots.is_cuda:  # device tensors of fixed shapes only (no bincount: it syncs), so that a graph captures it
+            counts = torch.zeros(pool_slots + 1, dtype=torch.long, device=slots.device)
+            counts.scatter_add_(0, slots + 1, torch.ones_like(slots))
             self.order = torch.argsort(slots, stable=True)
             self.counts = counts[1:]
             self.starts = torch.cumsum(counts, 0)[:-1]  # base rows (-1) sort first
