@@ -4,7 +4,8 @@ The other kernel tests run them under Triton's interpreter, which accepts what t
 knows nothing of registers. This compiles them as `tokenrelay bench kernels` does (the whole table of shapes
 and dtypes is the bench's), where register pressure is highest: every kernel in bf16 at Llama-3-8B's shape
 (head_dim 128 and hidden 4096, the largest tiles), and the prefill kernel in fp16 too. Both prefills
-spilled there at Triton's default 4 warps (255 registers, 44-56 bytes), until their tiles got 8.
+spilled there at Triton's default 4 warps (255 registers, 44-56 bytes), until their tiles got 8. The layer
+kernels compile in fp64 too, at the bundled model's shape: the exactness tests run them so on a GPU.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import subprocess
 import sys
 
 from tokenrelay.bench.kernels import KERNELS, compile_jobs, failures, table
+from workers.bundled import BUNDLED_MODEL_NAME
 
 SUBSET = [(kernel, "bf16", "llama-3-8b") for kernel in KERNELS] + [("prefill", "fp16", "llama-3-8b")]
+SUBSET += [(kernel, "fp64", BUNDLED_MODEL_NAME) for kernel in ("add-rms-norm", "silu-mul", "rotary")]
 
 
 def test_every_kernel_compiles_for_sm_90_without_spilling_at_llama_3_8bs_shape():

@@ -42,8 +42,8 @@ H200 = GPUTarget("cuda", 90, 32)
 H200_PROCESSORS = 132  # streaming multiprocessors: the engine's decode split is computed from them
 CACHE_BLOCKS = 10_001  # the cache holds what the GPU's memory does: any count, most no multiple of 16
 LORA_SLOTS = 4  # adapters in device slots (--max-loras): the grids' size only
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+_POINTEE = {dtype: name for name, dtype in DTYPES.items()} | {torch.int64: "i64"}
 _DIVISIBLE = [["tt.divisibility", 16]]
 
 

@@ -6,17 +6,18 @@ thread that needs more than the 255 registers it can have spills to local
 memory, slow in an inner loop. This compiles every kernel ahead of time for
 sm_90 with the ptxas that Triton bundles (no GPU, no driver), with what the
 engine's own launch functions pass it (workers/engine/kernel_launch.py), for
-the bundled model, TinyLlama-1.1B and Llama-3-8B, in bf16, fp16 and
-fp32: store, decode (one program per sequence, and split with the merge of
-its partial results), prefill, the sampler's noise, and the decoder layer's
-RMSNorm after the residual add, SiLU-and-multiply and rotary, and the LoRA
-shrink and expand (the fused QKV projection's, the widest rank, and the down
+the bundled model, TinyLlama-1.1B and Llama-3-8B, in bf16, fp16 and fp32
+(and fp64, the exactness tests' dtype on a GPU, if asked): store, decode
+(one program per sequence, and split with the merge of its partial
+results), prefill, the sampler's noise, and the decoder layer's RMSNorm
+after the residual add, SiLU-and-multiply and rotary, and the LoRA shrink
+and expand (the fused QKV projection's, the widest rank, and the down
 projection's shrink, the longest). It prints each kernel's warps, registers
 per thread, spilled bytes (stores/loads), stack frame, shared memory per
 program and compile time, and exits 1 on any compile
-error or any spill in bf16 or fp16, the dtypes a GPU serves in (fp32's are
-reported). The compiles run in `--jobs` processes (kernel_compile.py), in a
-Triton cache of their own that is removed after them.
+error or any spill in bf16 or fp16, the dtypes a GPU serves in (fp32's and
+fp64's are reported). The compiles run in `--jobs` processes
+(kernel_compile.py), in a Triton cache of their own that is removed after them.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ KERNELS = (
     "lora-expand",
     "lora-shrink-down",
 )
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp64")
+DEFAULT_DTYPES = ("bf16", "fp16", "fp32")  # fp64 on request: the exactness tests' dtype, slow to compile at 8B
 SERVED_DTYPES = ("bf16", "fp16")  # a spill in these fails the check
 
 
@@ -182,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="tokenrelay bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS), help="default: all")
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the model's; default: all")
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=DTYPES, default=list(DEFAULT_DTYPES), help="the model's; default: bf16 fp16 fp32"
+    )
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="default: all")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes; default: the cores")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")

@@ -4,7 +4,9 @@ In torch (workers/engine/models/ops.py, these kernels' reference) RMSNorm
 after the residual add, SiLU-and-multiply and rotary are six to ten small
 kernels each, every one a round trip of the activations through memory; here
 each is one launch that reads its inputs once and writes its outputs once,
-computing in float32 whatever the model's dtype. They run inside the decode
+computing in float32 (float64 for a float64 model, as torch and transformers
+do: the exactness tests hold a float64 model to 1e-9 of transformers', which
+float32 arithmetic in the residual stream would miss by 1e-6). They run inside the decode
 steps' CUDA graphs too: no host syncs, and nothing allocated but outputs of
 the inputs' shapes.
 """
@@ -33,43 +35,52 @@ def _add_rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     total = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:  # rounded to the model's dtype, as torch's sum is, before it is normed
-        added = total.to(tl.float32) + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        added = total.to(COMPUTE) + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0).to(COMPUTE)
         total = added.to(x.dtype.element_ty)
         tl.store(summed + row * HIDDEN + cols, total, mask=mask)
-    wide = total.to(tl.float32)
+    wide = total.to(tl.float32)  # the norm itself is float32 in every dtype, as transformers computes it
     scaled = wide * tl.rsqrt(tl.sum(wide * wide, axis=0) / HIDDEN + eps)
     # transformers rounds the normed row to the model's dtype before the weight multiplies it
-    out = scaled.to(x.dtype.element_ty).to(tl.float32) * tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+    out = scaled.to(x.dtype.element_ty).to(COMPUTE) * tl.load(weight + cols, mask=mask, other=0.0).to(COMPUTE)
     tl.store(normed + row * HIDDEN + cols, out.to(normed.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_x, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x, out, stride_x, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
-    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x + row * stride_x + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(COMPUTE)
+    up = tl.load(x + row * stride_x + INTERMEDIATE + cols, mask=mask, other=0.0).to(COMPUTE)
     tl.store(out + row * INTERMEDIATE + cols, (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotate(
-    x, stride_h, cos, sin, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr
+    x,
+    stride_h,
+    cos,
+    sin,
+    HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
-    """Rotate one row's heads [HEADS, 2 * HALF] at x in place by cos, sin [1, BLOCK_HALF]."""
+    """Rotate one row's heads [HEADS, 2 * HALF] at x in place by cos, sin [1, BLOCK_HALF] (of dtype COMPUTE)."""
     h = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < HEADS) & (i < HALF)
     first = x + h * stride_h + i
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(first, mask=mask, other=0.0).to(COMPUTE)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(COMPUTE)
     tl.store(first, (x1 * cos - x2 * sin).to(x.dtype.element_ty), mask=mask)
     tl.store(first + HALF, (x2 * cos + x1 * sin).to(x.dtype.element_ty), mask=mask)
 
@@ -93,14 +104,20 @@ def _rotary_kernel(
     BLOCK_KV: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    COMPUTE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     position = tl.load(positions + row)
     i = tl.arange(0, BLOCK_HALF)
-    c = tl.load(cos + position * stride_cos + i, mask=i < HALF, other=0.0)[None, :]
-    s = tl.load(sin + position * stride_sin + i, mask=i < HALF, other=0.0)[None, :]
-    _rotate(q + row * stride_qr, stride_qh, c, s, HEADS, BLOCK_H, HALF, BLOCK_HALF)
-    _rotate(k + row * stride_kr, stride_kh, c, s, KV_HEADS, BLOCK_KV, HALF, BLOCK_HALF)
+    c = tl.load(cos + position * stride_cos + i, mask=i < HALF, other=0.0).to(COMPUTE)[None, :]
+    s = tl.load(sin + position * stride_sin + i, mask=i < HALF, other=0.0).to(COMPUTE)[None, :]
+    _rotate(q + row * stride_qr, stride_qh, c, s, HEADS, BLOCK_H, HALF, BLOCK_HALF, COMPUTE)
+    _rotate(k + row * stride_kr, stride_kh, c, s, KV_HEADS, BLOCK_KV, HALF, BLOCK_HALF, COMPUTE)
+
+
+def _compute(dtype: torch.dtype):
+    """The precision a kernel computes in: float32, or float64 for a float64 model (torch's own, on the CPU)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def _warps(elements: int) -> int:
@@ -120,7 +137,7 @@ def add_rms_norm_launch(x, residual, weight, eps: float, normed, summed) -> Kern
         (rows,),
         (x, residual if has_residual else x, weight, normed, summed, x.stride(0))
         + ((residual if has_residual else x).stride(0), eps),
-        dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual),
+        dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual, COMPUTE=_compute(x.dtype)),
         num_warps=_warps(block),
     )
 
@@ -143,7 +160,7 @@ def silu_and_mul_launch(x, out) -> KernelLaunch:
         _silu_and_mul_kernel,
         (rows, triton.cdiv(intermediate, _SILU_BLOCK)),
         (x, out, x.stride(0)),
-        dict(INTERMEDIATE=intermediate, BLOCK=_SILU_BLOCK),
+        dict(INTERMEDIATE=intermediate, BLOCK=_SILU_BLOCK, COMPUTE=_compute(x.dtype)),
     )
 
 
@@ -171,6 +188,7 @@ def rotary_launch(q, k, positions, cos, sin) -> KernelLaunch:
             BLOCK_KV=triton.next_power_of_2(kv_heads),
             HALF=dim // 2,
             BLOCK_HALF=block_half,
+            COMPUTE=_compute(q.dtype),
         ),
         num_warps=_warps(2 * block_h * block_half),
     )
