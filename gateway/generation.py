@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
@@ -48,14 +48,23 @@ def _error(event: TokenEvent) -> ApiError:
     return ApiError(event.error.status, event.error.error_type, event.error.message)
 
 
-def check_prompt_tokens(model: ServedModel, token_ids: list[int], field: str | None = None) -> None:
-    """424 for a token prompt the model cannot take, as a worker would answer, without asking one; the message
-    names the body's `field` that holds the ids, where one is given."""
+def check_token_ids(model: ServedModel, token_ids: Iterable[int], field: str | None = None) -> None:
+    """424 for a token id outside the model's vocabulary, wherever the body carries it (a prompt, stop_token_ids,
+    logit_bias's keys); the message names the body's `field` that holds the ids, where one is given. A sampler
+    that indexed past the vocabulary would trip a device-side assert on CUDA, which poisons the worker for every
+    later request (workers/engine/sampler.py drops such ids too)."""
     named = f"{field}: " if field else ""
-    outside = next((t for t in token_ids if t >= model.vocab_size), None)
+    outside = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
     if outside is not None:
         message = f"{named}token id {outside} is outside the vocabulary [0, {model.vocab_size})"
         raise ApiError(424, GENERATION_ERROR, message)
+
+
+def check_prompt_tokens(model: ServedModel, token_ids: list[int], field: str | None = None) -> None:
+    """424 for a token prompt the model cannot take, as a worker would answer, without asking one; the message
+    names the body's `field` that holds the ids, where one is given."""
+    check_token_ids(model, token_ids, field)
+    named = f"{field}: " if field else ""
     if len(token_ids) > model.max_input_len:
         raise ApiError(
             424,

@@ -24,7 +24,7 @@ from schemas.messages import TextPart as WireTextPart
 from schemas.multimodal import MAX_ITEMS
 from schemas.openai_tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta
 from schemas.parameters import BODY, INT32_MAX
-from schemas.prompt_forms import Prompt, PromptForms, check_prompts, each_prompt
+from schemas.prompt_forms import Prompt, PromptForms, TokenId, check_prompts, each_prompt
 
 SEED_MAX = 2**63 - 1
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]  # JSON object keys are strings
@@ -71,14 +71,18 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, description="Up to 4 strings; the text ends before the first.")
-    stop_token_ids: list[int] | None = Field(None, max_length=64, description="Generation ends with these tokens.")
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=64, description="Generation ends with these tokens (ids in [0, vocabulary size), else 424)."
+    )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Sampling noise; the same seed, the same tokens.")
     user: str | None = Field(None, description="Accepted, for logs.")
     priority: int | None = Field(None, ge=1, le=5, description="1 is the most urgent; default 5.")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Per token generated so far.")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Per occurrence so far.")
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, max_length=300, description="Token id (as a string) -> added to its logit, -100 to 100."
+        None,
+        max_length=300,
+        description="Token id (as a string; in [0, vocabulary size), else 424) -> added to its logit, -100 to 100.",
     )
     # vLLM's extensions
     ignore_eos: bool = Field(False, description="Generate max_tokens whatever the model says.")

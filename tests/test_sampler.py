@@ -118,6 +118,17 @@ def test_logit_bias_and_banned_tokens_move_greedy_and_sampled_draws():
     assert banned != best and banned == _draw(against, logits)
 
 
+def test_banned_ids_outside_the_vocabulary_are_left_out():
+    """min_tokens bans stop tokens; one past the vocabulary must neither index past the scores (an IndexError here,
+    a device-side assert that poisons a GPU worker) nor ban a token of another row."""
+    logits = torch.stack([_logits(7), _logits(8)])
+    vocab = logits.shape[-1]
+    logits[0, vocab - 1] = 10.0  # row 0's likeliest token, where row 1's -1 would land
+    best = [int(row.argmax()) for row in logits]
+    banned = [(99_999_999, vocab + best[1]), (-1,)]  # vocab + best[1]: where row 1's likeliest token is
+    assert sample_logits(logits, [Draw(SamplingParams(seed=1), (), 0, (), ids) for ids in banned]) == best
+
+
 def test_extreme_parameters_still_draw_a_token():
     logits = _logits(4)
     extremes = [

@@ -18,9 +18,9 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.access_log import current_request_id
-from gateway.errors import OPENAI_ERRORS, openai_error_body, unprocessable
+from gateway.errors import OPENAI_ERRORS, openai_error_body
 from gateway.generation import Completion as Answer
-from gateway.generation import check_prompt_tokens, complete_all, sse_response, start_each, streams
+from gateway.generation import check_prompt_tokens, check_token_ids, complete_all, sse_response, start_each, streams
 from gateway.grammars import json_object_grammar, json_schema_grammar
 from gateway.inflight import InFlight
 from gateway.openapi import event_stream
@@ -80,9 +80,8 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
     the first's KV in a worker's prefix cache (workers/engine/scheduler.py)."""
     service: GatewayService = connection.app.state.gateway
     model = service.resolve(body.model)
-    outside = [token for token in body.logit_bias or {} if int(token) >= model.vocab_size]
-    if outside:
-        raise unprocessable(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {model.vocab_size})")
+    check_token_ids(model, body.stop_token_ids or (), field="stop_token_ids")
+    check_token_ids(model, map(int, body.logit_bias or {}), field="logit_bias")
     grammar = _grammar(body)
     if isinstance(body, ChatCompletionRequest):
         prompt = await chat_prompt(body.messages, model, connection.app.state.media)

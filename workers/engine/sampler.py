@@ -148,7 +148,13 @@ def _filters(p: SamplingParams, vocab: int) -> bool:
 
 
 def _additions(draws: list[Draw], vocab: int) -> dict[int, float]:
-    """Flat index (row * vocab + token) -> what is added to that logit: penalties, biases, bans."""
+    """Flat index (row * vocab + token) -> what is added to that logit: penalties, biases, bans.
+
+    Biased and banned ids outside the vocabulary are left out: no logit is theirs, and a token that cannot be
+    drawn needs no ban. The gateway refuses them, but a request may come from a gateway of another version, or be
+    served by a model of another vocabulary; and an index past the scores is an IndexError on the CPU and, on
+    CUDA, a device-side assert that poisons the worker for every later request."""
+    vocabulary = range(vocab)
     added: dict[int, float] = {}
     for row, draw in enumerate(draws):
         p, base = draw.params, row * vocab
@@ -156,10 +162,11 @@ def _additions(draws: list[Draw], vocab: int) -> dict[int, float]:
             for token, count in Counter(draw.generated).items():
                 added[base + token] = -(p.presence_penalty + p.frequency_penalty * count)
         for token, bias in p.logit_bias.items():
-            if 0 <= token < vocab:  # the gateway refuses others; a model of another vocabulary may still serve it
+            if token in vocabulary:
                 added[base + token] = added.get(base + token, 0.0) + bias
         for token in draw.banned:
-            added[base + token] = float("-inf")
+            if token in vocabulary:
+                added[base + token] = float("-inf")
     return added
 
 
