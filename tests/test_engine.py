@@ -9,6 +9,7 @@ run on the CPU, interpreted and replayed eagerly, in a test of their own.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import queue
 import random
@@ -25,10 +26,11 @@ from schemas.messages import ChatMessage, FinishReason, SamplingParams, Task, To
 from tests.devices import TEST_DEVICE
 from tests.test_cuda_graphs import replay_eagerly
 from workers.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
+from workers.engine import model_runner
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.model_loader import load_model, random_model
-from workers.engine.model_runner import KVGeometry, ModelRunner, StepLayout
+from workers.engine.model_runner import KVGeometry, ModelRunner, StepLayout, current_cuda_device
 from workers.engine.request import EngineRequest
 from workers.engine.sampler import Draw, DrawBatch, choose
 
@@ -299,6 +301,46 @@ def test_no_cuda_graphs_means_eager_decode_steps(loaded):
     graphed = ModelRunner(loaded, config.for_device(loaded.device.type), replay_eagerly)
     eager = ModelRunner(loaded, replace(config, cuda_graphs=False).for_device(loaded.device.type), replay_eagerly)
     assert graphed.graphed and not eager.graphed
+
+
+def test_a_runner_profiles_allocates_and_captures_with_its_device_current(loaded, monkeypatch):
+    """Triton launches on the current CUDA device, not on its tensors': a runner on cuda:1, built on a thread
+    whose current device is 0, makes cuda:1 current for the kernels its constructor runs (the memory profile,
+    the cache, the graphs' warm-up and capture). Here on the CPU, that context is recorded instead of entered."""
+    assert current_cuda_device(torch.device("cuda", 1)).idx == 1
+    assert isinstance(current_cuda_device(torch.device("cpu")), contextlib.nullcontext)
+    current: list[torch.device] = []  # the devices made current, innermost last
+
+    @contextlib.contextmanager
+    def recorded(device: torch.device):
+        current.append(device)
+        yield
+        current.pop()
+
+    seen: list[tuple[str, tuple[torch.device, ...]]] = []  # (the work, the devices current while it ran)
+
+    def profile(runner: ModelRunner, graphs: bool) -> int:
+        seen.append(("profile", tuple(current)))
+        return 16 << 20
+
+    allocate = ModelRunner._allocate
+
+    def cache(runner: ModelRunner, blocks: int):
+        seen.append(("cache", tuple(current)))
+        return allocate(runner, blocks)
+
+    def capture(run):
+        seen.append(("capture", tuple(current)))
+        return replay_eagerly(run)
+
+    monkeypatch.setattr(model_runner, "current_cuda_device", recorded)
+    monkeypatch.setattr(ModelRunner, "_gpu_kv_cache_bytes", profile)  # what a GPU's unsized cache runs
+    monkeypatch.setattr(ModelRunner, "_allocate", cache)
+    config = EngineConfig(max_batch_size=2, attention="triton").for_device(loaded.device.type)
+    runner = ModelRunner(loaded, replace(config, kv_cache_bytes=None), capture)
+    assert runner.graphed and not current
+    assert {work for work, _ in seen} == {"profile", "cache", "capture"}
+    assert all(devices == (loaded.device,) for _, devices in seen), seen
 
 
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="GPU memory")

@@ -27,6 +27,7 @@ the head (output_head.GatheredHead).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import mmap
@@ -250,6 +251,16 @@ class KVGeometry:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
 
+def current_cuda_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` made the calling thread's current CUDA device, where it names one. Triton launches a kernel on
+    the current device and its current stream, not on its tensors' device, and a CUDA graph is captured on the
+    current device too: work for cuda:1 launched while cuda:0 is current reads device 1's memory from device 0.
+    An unnumbered "cuda" is the current device already; the CPU has none."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device.index)
+    return contextlib.nullcontext()
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, capture: Capture | None = None) -> None:
         """`config` with its device defaults filled in; `capture`: how decode graphs are captured
@@ -283,22 +294,23 @@ class ModelRunner:
         )
         graphs = config.cuda_graphs and self.kernels == "triton" and (gpu or capture is not None)
         bytes_per_block = self._geometry.bytes_per_token * self.block_size
-        kv_bytes = config.kv_cache_bytes or self._gpu_kv_cache_bytes(graphs)
-        self.num_blocks = parallel.agree_min(max(1, kv_bytes // bytes_per_block))
-        self._cache = self._allocate(self.num_blocks)
-        log.info(
-            "kv_cache_allocated",
-            blocks=self.num_blocks,
-            block_size=self.block_size,
-            tokens=self.num_blocks * self.block_size,
-            gib=round(self.num_blocks * bytes_per_block / _GIB, 2),
-            attention=self.kernels,
-        )
-        self._graphs: DecodeGraphs | None = None
-        if graphs:
-            self._graphs = self._capture(capture or cuda_graph_capture())
-            if not parallel.agree_min(int(self._graphs is not None)):  # every rank replays, or none does
-                self._graphs = None
+        with current_cuda_device(self._device):  # this thread's kernels: the profile, the graphs' warm-up and capture
+            kv_bytes = config.kv_cache_bytes or self._gpu_kv_cache_bytes(graphs)
+            self.num_blocks = parallel.agree_min(max(1, kv_bytes // bytes_per_block))
+            self._cache = self._allocate(self.num_blocks)
+            log.info(
+                "kv_cache_allocated",
+                blocks=self.num_blocks,
+                block_size=self.block_size,
+                tokens=self.num_blocks * self.block_size,
+                gib=round(self.num_blocks * bytes_per_block / _GIB, 2),
+                attention=self.kernels,
+            )
+            self._graphs: DecodeGraphs | None = None
+            if graphs:
+                self._graphs = self._capture(capture or cuda_graph_capture())
+                if not parallel.agree_min(int(self._graphs is not None)):  # every rank replays, or none does
+                    self._graphs = None
         self._between_layers: Callable[[], None] | None = None
         self._thread: int | None = None  # the engine thread's, once bound
         if self._device.type == "cpu" and parallel.size == 1:  # the other ranks could not step within a step
