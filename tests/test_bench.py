@@ -11,6 +11,7 @@ import pytest
 
 from tests.processes import TOKENRELAY
 from tests.reference import bundled
+from tokenrelay.bench import engine as bench_engine
 from tokenrelay.bench import plots
 from tokenrelay.bench.chaos import OUTCOMES, Kind, Refused, stream
 from tokenrelay.bench.engine import run_static_batches, run_transformers_continuous
@@ -118,7 +119,12 @@ def test_the_chaos_chart_draws_a_run_with_kills_and_every_outcome(tmp_path):
     assert path == tmp_path / "c.png" and path.read_bytes()[:8] == PNG
 
 
-def test_a_baseline_past_its_timeout_reports_what_it_made_by_then():
+def test_a_baseline_past_its_timeout_reports_what_it_made_by_then(monkeypatch):
+    waits: list[float] = []  # every wait of transformers' continuous batching for a finished request, warm-up's too
+    finished = bench_engine._finished
+    monkeypatch.setattr(
+        bench_engine, "_finished", lambda manager, timeout_s: waits.append(timeout_s) or finished(manager, timeout_s)
+    )
     loaded = bundled()
     requests = workload(4, (8, 16), (5, 9), loaded.vocab_size, seed=3)
     static = run_static_batches(loaded, requests, 2, timeout_s=0.0)
@@ -127,6 +133,7 @@ def test_a_baseline_past_its_timeout_reports_what_it_made_by_then():
     small = EngineConfig(kv_cache_bytes=64 << 20).for_device("cpu")
     continuous = run_transformers_continuous(loaded, requests, timeout_s=0.0, engine=small)
     assert continuous.timed_out and continuous.completed < 4  # transformers takes tens of ms for any of them
+    assert waits and max(waits) <= 0.0  # its warm-up waited 600 s, whatever the limit
 
 
 def test_transformers_continuous_batching_runs_within_the_engine_s_budgets_whatever_memory_is_free(monkeypatch):

@@ -188,21 +188,20 @@ def run_transformers_continuous(
     manager = loaded.model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
     manager.start()
     timed_out = False
+    outputs = {}
     try:
+        deadline = time.perf_counter() + timeout_s  # the warm-up's wait counts against the limit too
         for request in requests[:2]:  # warm up
             manager.add_request(input_ids=request.prompt, max_new_tokens=request.output_len, eos_token_id=-1)
-        for _ in requests[:2]:
-            _finished(manager, 600)
+        timed_out = any(_finished(manager, deadline - time.perf_counter()) is None for _ in requests[:2])
         started = time.perf_counter()
-        deadline = started + timeout_s
         ids = [
             manager.add_request(
                 input_ids=r.prompt, max_new_tokens=r.output_len, eos_token_id=-1, record_timestamps=True
             )
             for r in requests
         ]
-        outputs = {}
-        while len(outputs) < len(ids):
+        while len(outputs) < len(ids) and not timed_out:
             output = _finished(manager, deadline - time.perf_counter())
             if output is None:
                 timed_out = True
@@ -418,7 +417,9 @@ def main(argv: list[str] | None = None) -> None:
         }
     }
     out = sys.stderr if args.json else sys.stdout  # with --json, stdout's last line is the JSON
-    baseline_model = fresh("transformers")  # the engine sets its own attention on a transformers model
+    baselined = {"static_batches", "one_at_a_time", "continuous"} - set(args.skip)
+    # The engine sets its own attention on a transformers model: the baselines' is a fresh one (none if none runs).
+    baseline_model = fresh("transformers") if baselined else None
     engine_runs: dict[str, list[Result]] = {impl: [] for impl in impls}
     static_runs: list[Result] = []
     runs = args.repeat * (len(impls) + ("static_batches" not in args.skip)) + sum(
