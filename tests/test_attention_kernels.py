@@ -181,3 +181,17 @@ def test_the_fast_greedy_head_finds_the_exact_argmax(scale):
     hidden[1, 1:] = 0  # an almost flat one
     exact = torch.nn.functional.linear(hidden, projection.weight).argmax(dim=-1).tolist()
     assert head.argmax(hidden) == exact
+
+
+def test_the_fast_greedy_head_answers_none_for_a_nan_row_on_either_path():
+    """A NaN row has no argmax (it is no candidate on the bfloat16 path): None, never the vocabulary size."""
+    torch.manual_seed(1)
+    projection = torch.nn.Linear(256, 32000, bias=False)
+    head = OutputHead(projection, fast=True)
+    hidden = torch.randn(4, 256)
+    exact = F.linear(hidden, projection.weight).argmax(dim=-1).tolist()
+    hidden[1] = float("nan")
+    assert head.argmax(hidden) == [exact[0], None, *exact[2:]]
+    flat = torch.zeros(4, 256)  # every token a candidate: the exact float32 path
+    flat[1] = float("nan")
+    assert head.argmax(flat) == [0, None, 0, 0]

@@ -10,6 +10,7 @@ run on the CPU, interpreted and replayed eagerly, in a test of their own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import queue
 import random
@@ -19,6 +20,7 @@ import uuid
 from dataclasses import replace
 
 import pytest
+import structlog
 import torch
 from llguidance import LLMatcher
 
@@ -31,6 +33,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.model_loader import load_model, random_model
 from workers.engine.model_runner import KVGeometry, ModelRunner, StepLayout, current_cuda_device
+from workers.engine.output_head import OutputHead
 from workers.engine.request import EngineRequest
 from workers.engine.sampler import Draw, DrawBatch, choose
 
@@ -699,3 +702,34 @@ def test_other_llama_family_models_equal_transformers_generate(family, loaded):
         h.close()
     for request_id, prompt in zip(ids, prompts, strict=True):
         assert _tokens(results[request_id]) == _reference(reference, prompt, 12)
+
+
+def test_a_nan_output_ends_its_sequence_with_an_error_and_the_rest_of_the_batch_goes_on(monkeypatch):
+    """The CPU's fast greedy head (float32 weights) finds no argmax candidate in a NaN row: that row's token was
+    the vocabulary size, an invalid id on which the next step failed, failing every request in it."""
+    monkeypatch.setattr(model_runner, "OutputHead", functools.partial(OutputHead, fast=True))
+    loaded = load_model(str(BUNDLED_MODEL), "cpu", "float32")  # weights of its own: one embedding is made NaN
+    prompts = [loaded.tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    h = Harness(loaded, EngineConfig(kv_cache_bytes=64 << 20))
+    try:
+        alone = [h.collect([r := h.submit(p, 8)])[r] for p in prompts[:2]]
+        _poison_embedding(loaded.model, next(t for t in prompts[2] if all(t not in other for other in prompts[:2])))
+        with structlog.testing.capture_logs() as logs:
+            ids = [h.submit(p, 8) for p in prompts]
+            results = h.collect(ids)
+    finally:
+        h.close()
+    assert [_tokens(results[r]) for r in ids[:2]] == [_tokens(events) for events in alone]
+    [ended] = results[ids[2]]
+    assert ended.finish_reason == FinishReason.INVALID_FLAG and not ended.token_ids
+    assert ended.error.status == 500 and "the model's output was NaN" in ended.error.message
+    assert [entry["request_id"] for entry in logs if entry["event"] == "output_nan"] == [ids[2]]
+
+
+def _poison_embedding(model: torch.nn.Module, token: int) -> None:
+    """The token's input embedding NaN, so that a sequence holding it has NaN hidden states; the output head,
+    which the bundled models tie to it, keeps its own weights."""
+    embedding = model.get_input_embeddings()
+    embedding.weight = torch.nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
+    with torch.no_grad():
+        embedding.weight[token] = float("nan")

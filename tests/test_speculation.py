@@ -5,6 +5,7 @@ log-probabilities; and the rule is rejection sampling, whose output has the targ
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from dataclasses import replace
@@ -17,13 +18,15 @@ from llguidance import LLMatcher
 
 from schemas.messages import SamplingParams
 from tests.processes import metric, serving
-from tests.test_engine import PROMPTS, Harness, _tokens, loaded  # noqa: F401 (a fixture)
+from tests.test_engine import PROMPTS, Harness, _poison_embedding, _tokens, loaded  # noqa: F401 (a fixture)
 from tests.test_scheduler import _sequence
 from workers.bundled import BUNDLED_DRAFT_MODEL
+from workers.engine import model_runner
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.draft import DraftProposer
 from workers.engine.model_loader import load_model
+from workers.engine.output_head import OutputHead
 from workers.engine.prompt_lookup import NgramProposer
 from workers.engine.sampler import Draw, DrawBatch, choose
 from workers.engine.scheduler import Scheduler, SchedulerConfig
@@ -286,6 +289,22 @@ def test_a_draft_that_kept_its_cache_proposes_what_a_fresh_one_does_and_frees_it
     other = _sequence(list(range(4, 500)))  # its draft needs 16 of the 16 blocks: the first's are free again
     assert len(kept.propose([other], [2])[0]) == 2
     assert kept.propose([_sequence([5, 6])], [2]) == [[]]  # no room left: nothing proposed
+
+
+def test_a_draft_whose_output_is_nan_proposes_nothing_more_and_the_others_go_on(loaded, monkeypatch):  # noqa: F811
+    """The CPU's fast greedy head answers None for a NaN row (output_head.py); a draft's None is no proposal."""
+    monkeypatch.setattr(model_runner, "OutputHead", functools.partial(OutputHead, fast=True))
+    draft = load_model(str(BUNDLED_DRAFT_MODEL), "cpu", "float32")  # the fast head's dtype
+    config = EngineConfig(max_seq_len=512, kv_cache_bytes=1 << 20).for_device("cpu")
+    prompts = [loaded.tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    healthy = DraftProposer(draft, loaded, config, target_tokens=512).propose(
+        [_sequence(p) for p in prompts[:2]], [4, 4]
+    )
+    _poison_embedding(draft.model, next(t for t in prompts[2] if all(t not in other for other in prompts[:2])))
+    proposals = DraftProposer(draft, loaded, config, target_tokens=512).propose(
+        [_sequence(p) for p in prompts], [4] * 3
+    )
+    assert proposals == [*healthy, []]
 
 
 # -- rejection sampling's distribution

@@ -88,6 +88,9 @@ class DraftProposer:
             for chunk, index, token in zip(chunks, proposing, output.tokens, strict=True):
                 draft = chunk.sequence
                 draft.num_cached_tokens = draft.num_tokens
+                if token is None:  # the draft's logits were NaN: it proposes nothing more for this sequence
+                    drafts[index] = None
+                    continue
                 draft.generated.append(token)
                 if draft.matcher is not None:
                     draft.matcher.consume_token(token)

@@ -411,14 +411,17 @@ class Engine:
         return events
 
     def _take(
-        self, chunk: Chunk, drawn: list[int], scores: list[Scored | None], started_at: float, batch_size: int
+        self, chunk: Chunk, drawn: list[int | None], scores: list[Scored | None], started_at: float, batch_size: int
     ) -> list[TokenEvent]:
         """The chunk's new tokens: its proposals accepted (speculation.py), then the draw after them; each
-        an event, up to the first that ends the sequence."""
+        an event, up to the first that ends the sequence. A draw of None (NaN logits) ends it with an error."""
         sequence = chunk.sequence
         accepted = accepted_length(chunk.proposed, drawn)
         events = []
         for token, scored in zip(drawn[: accepted + 1], scores, strict=False):
+            if token is None:
+                events.append(_nan_output(sequence))
+                break
             events.append(sequence.append(token, scored, started_at, batch_size, self._finish_reason(sequence, token)))
             if sequence.finish_reason is not None:
                 break
@@ -439,6 +442,16 @@ class Engine:
     def _out_of_room(self, sequence: Sequence, generated: int) -> bool:
         """Whether a sequence with `generated` tokens has reached max_new_tokens or max_seq_len."""
         return generated >= sequence.max_new_tokens or len(sequence.prompt_ids) + generated >= self.config.max_seq_len
+
+
+def _nan_output(sequence: Sequence) -> TokenEvent:
+    """The last event of a sequence whose logits were NaN: an error, as it has no next token to give or to feed
+    its next step; the rest of the batch goes on."""
+    log.error("output_nan", request_id=sequence.request_id, index=sequence.next_index)
+    message = f"generation failed: the model's output was NaN at generated token {sequence.next_index}"
+    return sequence.stop(
+        FinishReason.INVALID_FLAG, ErrorInfo(message=message, error_type=INCOMPLETE_GENERATION, status=500)
+    )
 
 
 def _timeout_error(sequence: Sequence) -> ErrorInfo:

@@ -13,6 +13,11 @@ not exact. Greedy rows therefore take this path:
    flat that too many tokens are, get the float32 projection instead).
 The argmax is the float32 one. Rows that sample, or that carry a repetition
 penalty, get exact float32 logits for the whole vocabulary.
+
+A row with a NaN logit (a NaN hidden state) has no argmax, and no candidate
+on the bfloat16 path: its token is None, never an id that the next step's
+embedding lookup would fail on, failing the whole batch. The engine ends that
+sequence with an error, and the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -52,14 +57,14 @@ class OutputHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self._weight, self._bias)
 
-    def argmax(self, hidden: torch.Tensor) -> list[int]:
-        """The exact argmax of each row's logits."""
+    def argmax(self, hidden: torch.Tensor) -> list[int | None]:
+        """The exact argmax of each row's logits; None for a row with a NaN logit."""
         if self._fast is None:
-            return self.logits(hidden).argmax(dim=-1).tolist()
+            return _argmax(self.logits(hidden))
         rows_count, vocab = hidden.shape[0], self._weight.shape[0]
         # float32 from here: CPUs reduce and compare bfloat16 much more slowly
         approximate = F.linear(hidden.to(torch.bfloat16), self._fast).float()
-        best = approximate.amax(dim=-1)
+        best = approximate.amax(dim=-1)  # NaN in a row with a NaN logit: none is a candidate there
         # A logit's error is at most a + u'|logit|, and a candidate's |logit| at most |best| + 2E, so
         # E = (a + u'|best|) / (1 - 2u') bounds the error of every logit that could still be the argmax.
         shift = (2 * _UNIT + _UNIT**2) * hidden.norm(dim=-1) * self._max_row_norm
@@ -67,13 +72,19 @@ class OutputHead:
         threshold = best - 2 * (shift + rounding * best.abs()) / (1 - 2 * rounding)
         rows, ids = (approximate >= threshold.unsqueeze(1)).nonzero(as_tuple=True)
         if rows.numel() > _MAX_CANDIDATES_PER_ROW * rows_count:  # near-flat rows: exact logits cost less
-            return self.logits(hidden).argmax(dim=-1).tolist()
+            return _argmax(self.logits(hidden))
         exact = (self._weight[ids] * hidden[rows]).sum(dim=-1)
         row_best = exact.new_full((rows_count,), float("-inf")).scatter_reduce(0, rows, exact, "amax")
         # Ties go to the lowest token id, as argmax over the whole vocabulary would have it.
         winning = exact == row_best[rows]
         lowest = ids.new_full((rows_count,), vocab).scatter_reduce(0, rows[winning], ids[winning], "amin")
-        return lowest.tolist()
+        return [None if token == vocab else token for token in lowest.tolist()]  # vocab: no candidate
+
+
+def _argmax(logits: torch.Tensor) -> list[int | None]:
+    """Each row's argmax; None for a row with a NaN logit (torch's argmax would answer the NaN's place)."""
+    tokens, nan = logits.argmax(dim=-1).tolist(), logits.isnan().any(dim=-1).tolist()
+    return [None if not_a_number else token for token, not_a_number in zip(tokens, nan, strict=True)]
 
 
 def _faster(fast: torch.Tensor, exact: torch.Tensor) -> bool:
@@ -114,5 +125,5 @@ class GatheredHead:
             self._announce(hidden)
         return self._parallel.gather_columns(F.linear(hidden, self._weight), self._share, self._vocab)
 
-    def argmax(self, hidden: torch.Tensor) -> list[int]:
-        return self.logits(hidden).argmax(dim=-1).tolist()
+    def argmax(self, hidden: torch.Tensor) -> list[int | None]:
+        return _argmax(self.logits(hidden))

@@ -170,15 +170,16 @@ def _additions(draws: list[Draw], vocab: int) -> dict[int, float]:
     return added
 
 
-def sample(head: OutputHead, hidden: torch.Tensor, batch: DrawBatch) -> tuple[list[int], list[Scored | None]]:
+def sample(head: OutputHead, hidden: torch.Tensor, batch: DrawBatch) -> tuple[list[int | None], list[Scored | None]]:
     """The next token of each row, from its last hidden state (`hidden` [rows, hidden size]), and its scores
-    where its request asks for them."""
+    where its request asks for them; a plain greedy row's token is None where its logits are NaN
+    (OutputHead.argmax)."""
     if not head.fast or not batch.plain:
         logits = head.logits(hidden)
         tokens = choose(logits, batch)
         return tokens.tolist(), _scores_of(logits, tokens, batch)
     # The CPU's fast head finds plain greedy rows' argmax without their whole float32 logits.
-    tokens = [0] * hidden.shape[0]
+    tokens: list[int | None] = [0] * hidden.shape[0]
     scores: list[Scored | None] = [None] * hidden.shape[0]
     for row, token in zip(batch.plain, head.argmax(hidden[batch.plain]), strict=True):
         tokens[row] = token

@@ -20,7 +20,7 @@ class Scored:
 
 @dataclass(frozen=True)
 class StepOutput:
-    tokens: list[int]  # the next token of each drawing chunk, in order
+    tokens: list[int | None]  # the next token of each drawing chunk, in order; None: its logits were NaN
     logprobs: list[Scored | None]  # per drawing chunk: its token's scores, when its request asks for them
     # Request id -> scores of the prompt tokens its chunk predicts (each row scores the token after it).
     prompt_logprobs: dict[str, list[Scored]] = field(default_factory=dict)
