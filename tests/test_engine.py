@@ -322,7 +322,7 @@ def test_a_runner_profiles_allocates_and_captures_with_its_device_current(loaded
 
     seen: list[tuple[str, tuple[torch.device, ...]]] = []  # (the work, the devices current while it ran)
 
-    def profile(runner: ModelRunner, graphs: bool) -> int:
+    def profile(runner: ModelRunner, graphs: bool, draft) -> int:
         seen.append(("profile", tuple(current)))
         return 16 << 20
 

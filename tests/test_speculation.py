@@ -18,6 +18,7 @@ from llguidance import LLMatcher
 
 from schemas.messages import SamplingParams
 from tests.processes import metric, serving
+from tests.test_cuda_graphs import replay_eagerly
 from tests.test_engine import PROMPTS, Harness, _poison_embedding, _tokens, loaded  # noqa: F401 (a fixture)
 from tests.test_scheduler import _sequence
 from workers.bundled import BUNDLED_DRAFT_MODEL
@@ -26,6 +27,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.draft import DraftProposer
 from workers.engine.model_loader import load_model
+from workers.engine.model_runner import DeviceMemory, KVGeometry, ModelRunner, gpu_kv_cache_tokens
 from workers.engine.output_head import OutputHead
 from workers.engine.prompt_lookup import NgramProposer
 from workers.engine.sampler import Draw, DrawBatch, choose
@@ -289,6 +291,41 @@ def test_a_draft_that_kept_its_cache_proposes_what_a_fresh_one_does_and_frees_it
     other = _sequence(list(range(4, 500)))  # its draft needs 16 of the 16 blocks: the first's are free again
     assert len(kept.propose([other], [2])[0]) == 2
     assert kept.propose([_sequence([5, 6])], [2]) == [[]]  # no room left: nothing proposed
+
+
+_GIB = 2**30
+
+
+def test_a_draft_models_cache_of_as_many_tokens_and_its_steps_are_counted_in_the_targets_budget():
+    """An 8B target (131 KB of KV per token) with a 1B draft (22.5 KB), on an H100 with 60 GiB free after both
+    models' weights. Sized alone, the target's cache took the whole budget, and the draft's, 17 % of it more,
+    found no memory at start."""
+    target = DeviceMemory(bytes_per_token=131072, step=3 * _GIB, graphs=_GIB)
+    draft = DeviceMemory(bytes_per_token=22528, step=_GIB, graphs=_GIB // 4)
+    tokens = gpu_kv_cache_tokens(60 * _GIB, 0.9, target, draft)
+    budget = 0.9 * (60 * _GIB - (3 * _GIB + _GIB + _GIB // 4))  # one step at a time (the larger), both graphs held
+    assert tokens * (131072 + 22528) <= budget < (tokens + 1) * (131072 + 22528)
+    alone = gpu_kv_cache_tokens(60 * _GIB, 0.9, target)
+    assert alone == int(0.9 * (60 * _GIB - 4 * _GIB)) // 131072  # without a draft, the budget is the target's
+
+
+def test_a_target_cache_sized_by_free_gpu_memory_counts_its_drafts_cache_and_steps(loaded, monkeypatch):  # noqa: F811
+    """The GPU's sizing, on the CPU: the memory counters report the peaks below, in the order the profile asks for
+    them (the target's prompt step and decode step, then the draft's), and the target's runner, given the draft,
+    leaves the draft's cache of as many tokens and its steps their room."""
+    peaks = iter([40 << 20, 10 << 20, 30 << 20, 5 << 20])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (_GIB, 2 * _GIB))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    for unused in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, unused, lambda device=None: None)
+    draft = load_model(str(BUNDLED_DRAFT_MODEL), "cpu", "float64")
+    config = EngineConfig(max_batch_size=2, max_tokens_per_step=32, attention="triton", gpu_memory_fraction=0.5)
+    runner = ModelRunner(loaded, replace(config.for_device("cpu"), kv_cache_bytes=None), replay_eagerly, draft)
+    assert next(peaks, None) is None  # all four measured
+    per_token = KVGeometry.of(loaded.model).bytes_per_token + KVGeometry.of(draft.model).bytes_per_token
+    tokens = int(0.5 * (_GIB - (40 << 20) - (10 << 20) - (5 << 20))) // per_token
+    assert runner.num_blocks == tokens // runner.block_size
 
 
 def test_a_draft_whose_output_is_nan_proposes_nothing_more_and_the_others_go_on(loaded, monkeypatch):  # noqa: F811

@@ -4,6 +4,10 @@ The draft runs on the engine's own code: a ModelRunner of its own, with a
 paged KV cache of its own that holds as many tokens as the target's, and a
 BlockManager used as an allocator only (a draft's blocks may hold proposals
 the target rejects, so none is offered to other sequences as a cached prefix).
+On a GPU the draft is loaded before the target's runner, which counts the
+draft's weights, cache and steps before it sizes its own cache from the
+memory free (model_runner.gpu_kv_cache_tokens): sized alone, the target's
+cache took the memory the draft's then lacked.
 
 Each speculating sequence has a draft sequence: the target's tokens, as far
 as the draft has computed them. Before proposing, the draft sequence keeps
@@ -37,6 +41,11 @@ log = structlog.get_logger(__name__)
 _GREEDY = SamplingParams(seed=0)
 
 
+def draft_config(config: EngineConfig, kv_cache_bytes: int) -> EngineConfig:
+    """The settings of the draft's runner: the target's, with a cache of `kv_cache_bytes` and no adapters."""
+    return replace(config, kv_cache_bytes=kv_cache_bytes, max_loras=0, speculative="")
+
+
 class DraftProposer:
     def __init__(self, draft: Any, target: Any, config: EngineConfig, target_tokens: int) -> None:
         """`draft` and `target`: LoadedModels (model_loader.py) on one device; the draft's cache holds
@@ -49,10 +58,7 @@ class DraftProposer:
                 f"{config.max_seq_len}"
             )
         tokens = max(target_tokens, config.max_seq_len)
-        draft_config = replace(
-            config, kv_cache_bytes=tokens * KVGeometry.of(draft.model).bytes_per_token, max_loras=0, speculative=""
-        )
-        self._runner = draft.runner(draft_config)
+        self._runner = draft.runner(draft_config(config, tokens * KVGeometry.of(draft.model).bytes_per_token))
         self._blocks = BlockManager(self._runner.num_blocks, config.block_size)
         self._drafts: dict[str, Sequence] = {}  # by request id
         self._synced: dict[str, int] = {}  # by request id: the target's tokens when last proposed for

@@ -35,7 +35,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.request import EngineRequest
 from workers.engine.scheduler import Chunk, Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
-from workers.engine.speculation import accepted_length, speculator_for
+from workers.engine.speculation import accepted_length, load_draft, speculator_for
 from workers.engine.step_output import Scored, StepOutput
 
 log = structlog.get_logger(__name__)
@@ -75,7 +75,9 @@ class Model(Protocol):
     def tensor_parallel_size(self) -> int:
         """Ranks (devices) it is split across."""
 
-    def runner(self, config: EngineConfig, capture: Any = None) -> Runner: ...
+    def runner(self, config: EngineConfig, capture: Any = None, draft: Any = None) -> Runner:
+        """`draft`: a draft model (workers/engine/draft.py) that will share the device, whose memory the runner's
+        KV cache leaves."""
 
     def grammars(self) -> Any:
         """A workers/engine/grammar.py Grammars for its tokenizer; None: structured output is not served."""
@@ -121,7 +123,8 @@ class Engine:
         self.config = config = config.for_device(loaded.device_type)  # the device's defaults filled in
         self._on_step = on_step
         self._on_cache = on_cache
-        self._runner = loaded.runner(config, graph_capture)
+        draft = load_draft(config, loaded)  # first: the target's KV cache is sized around the draft's memory
+        self._runner = loaded.runner(config, graph_capture, draft)
         self._grammars = loaded.grammars()
         self._vision = loaded.vision()
         self.image_pixels = self._vision.image_pixels if self._vision is not None else None
@@ -135,7 +138,7 @@ class Engine:
             self._blocks,
             self.adapters,
         )
-        self._speculator = speculator_for(config, loaded, capacity)
+        self._speculator = speculator_for(config, loaded, capacity, draft)
         self._sequences: dict[str, Sequence] = {}
         self.seconds_per_prompt_token = 0.0  # of the steps with prompt chunks, lately (a router weighs waits by it)
         self._inbox: queue.SimpleQueue[Submitted | _Cancel | object] = queue.SimpleQueue()

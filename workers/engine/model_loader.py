@@ -81,11 +81,11 @@ class LoadedModel:
 
         return Vision(self.model, self.processor) if self.processor is not None else None
 
-    def runner(self, config, capture=None):
+    def runner(self, config, capture=None, draft=None):
         """The ModelRunner that computes this model's steps (see Engine); `config` has the device's defaults."""
         from workers.engine.model_runner import ModelRunner  # it imports this module
 
-        return ModelRunner(self, config, capture)
+        return ModelRunner(self, config, capture, draft)
 
     def grammars(self):
         """What compiles structured-output grammars for this model's tokenizer (workers/engine/grammar.py)."""

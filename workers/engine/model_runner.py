@@ -8,12 +8,13 @@ The model is the engine's own (models/) or transformers' (LoadedModel.decoder).
 What the device needs of a step goes up in one copy. On a GPU, a step that
 only decodes replays a CUDA graph (cuda_graphs.py), and the KV
 cache gets a share of the memory left once the weights, the largest step's
-work and the graphs have theirs. Logits are computed only for the rows a
-token is drawn from, by the output head, and for the prompt rows of requests
-that ask for their prompt's log-probabilities; an embed request's rows are
-pooled instead (pooling.py), from any step, graphed or not. For a
-vision-language model, the step's images are encoded first (vision.py) and
-their features take the place of their placeholder tokens' embeddings.
+work and the graphs have theirs, a draft model's too (draft.py). Logits are
+computed only for the rows a token is drawn from, by the output head, and
+for the prompt rows of requests that ask for their prompt's
+log-probabilities; an embed request's rows are pooled instead (pooling.py),
+from any step, graphed or not. For a vision-language model, the step's
+images are encoded first (vision.py) and their features take the place of
+their placeholder tokens' embeddings.
 
 A tensor-parallel model (parallel.py) has a runner on every rank, each with
 the cache of its own KV heads. They are built together (every rank runs the
@@ -261,10 +262,36 @@ def current_cuda_device(device: torch.device) -> contextlib.AbstractContextManag
     return contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a model runner takes of its GPU beyond its weights, as the sizing of KV caches counts it."""
+
+    bytes_per_token: int  # of its KV cache
+    step: int  # its largest eager step's peak: freed after the step, and reused by the next, another runner's too
+    graphs: int  # its decode graphs' pool, held (0: none)
+
+
+def gpu_kv_cache_tokens(free: int, fraction: float, target: DeviceMemory, draft: DeviceMemory | None = None) -> int:
+    """Tokens a KV cache holds on a GPU with `free` bytes left by the weights (a draft model's too): `fraction` of
+    what the steps leave, which a draft model's cache (draft.py), of as many tokens, shares. The models step one
+    after the other, so the larger step's memory serves both; each holds its graphs. (vLLM divides the memory
+    it profiles in the same way between a target's cache and its draft's, which have as many blocks.)"""
+    runners = [target] if draft is None else [target, draft]
+    working = max(runner.step for runner in runners) + sum(runner.graphs for runner in runners)
+    return int(fraction * (free - working)) // sum(runner.bytes_per_token for runner in runners)
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, capture: Capture | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        capture: Capture | None = None,
+        draft: LoadedModel | None = None,
+    ) -> None:
         """`config` with its device defaults filled in; `capture`: how decode graphs are captured
-        (default: CUDA graphs on a GPU, none on the CPU)."""
+        (default: CUDA graphs on a GPU, none on the CPU); `draft`: a draft model (draft.py) whose runner will
+        share the device, with a cache of as many tokens: a cache sized by the GPU's free memory leaves it room."""
         self._model = loaded.model
         self._parallel = parallel = loaded.parallel
         if parallel.leader and parallel.size > 1:  # the other ranks build theirs from the same config
@@ -295,7 +322,7 @@ class ModelRunner:
         graphs = config.cuda_graphs and self.kernels == "triton" and (gpu or capture is not None)
         bytes_per_block = self._geometry.bytes_per_token * self.block_size
         with current_cuda_device(self._device):  # this thread's kernels: the profile, the graphs' warm-up and capture
-            kv_bytes = config.kv_cache_bytes or self._gpu_kv_cache_bytes(graphs)
+            kv_bytes = config.kv_cache_bytes or self._gpu_kv_cache_bytes(graphs, draft)
             self.num_blocks = parallel.agree_min(max(1, kv_bytes // bytes_per_block))
             self._cache = self._allocate(self.num_blocks)
             log.info(
@@ -552,25 +579,48 @@ class ModelRunner:
 
     # -- GPU start-up: memory and graphs
 
-    def _gpu_kv_cache_bytes(self, graphs: bool) -> int:
-        """gpu_memory_fraction of the memory free after the weights, the largest eager step and the graphs."""
+    def _gpu_kv_cache_bytes(self, graphs: bool, draft: LoadedModel | None) -> int:
+        """gpu_memory_fraction of the memory free after the weights, the largest eager step and the graphs, less
+        the share of a draft's cache (gpu_kv_cache_tokens). The draft's weights are loaded already."""
         config = self._config
-        working = self._step_memory(config.max_tokens_per_step, prompt=True)
-        if graphs:  # the graphs' pool holds about what an eager decode step of the largest batch takes
-            working += self._step_memory(config.max_batch_size, prompt=False)
+        own = self._device_memory(graphs)
+        draft_memory = self._draft_memory(draft, graphs) if draft is not None else None
         free, total = torch.cuda.mem_get_info(self._device)
-        kv_bytes = int(config.gpu_memory_fraction * (free - working))
+        tokens = gpu_kv_cache_tokens(free, config.gpu_memory_fraction, own, draft_memory)
         log.info(
             "gpu_memory_planned",
             total_gib=round(total / _GIB, 2),
             free_after_weights_gib=round(free / _GIB, 2),
-            step_work_gib=round(working / _GIB, 2),
-            kv_cache_gib=round(kv_bytes / _GIB, 2),
+            step_work_gib=round((own.step + own.graphs) / _GIB, 2),
+            kv_cache_gib=round(tokens * own.bytes_per_token / _GIB, 2),
             fraction=config.gpu_memory_fraction,
         )
-        if kv_bytes <= 0:
+        if draft_memory is not None:
+            log.info(
+                "draft_memory_planned",
+                step_work_gib=round((draft_memory.step + draft_memory.graphs) / _GIB, 2),
+                kv_cache_gib=round(tokens * draft_memory.bytes_per_token / _GIB, 2),
+            )
+        if tokens <= 0:
             raise ValueError(f"no GPU memory is left for the KV cache ({free / _GIB:.2f} GiB free after the weights)")
-        return kv_bytes
+        return tokens * own.bytes_per_token
+
+    def _device_memory(self, graphs: bool) -> DeviceMemory:
+        """This runner's, measured; `graphs`: whether it captures decode graphs, whose pool holds about what an
+        eager decode step of the largest batch takes."""
+        config = self._config
+        step = self._step_memory(config.max_tokens_per_step, prompt=True)
+        held = self._step_memory(config.max_batch_size, prompt=False) if graphs else 0
+        return DeviceMemory(self._geometry.bytes_per_token, step, held)
+
+    def _draft_memory(self, draft: LoadedModel, graphs: bool) -> DeviceMemory:
+        """The draft's, as its runner (draft.py), with this one's settings on this device, will take it: measured by
+        a runner of it over a cache of one block, which captures no graphs."""
+        from workers.engine.draft import draft_config  # it imports this module
+
+        block = KVGeometry.of(draft.model).bytes_per_token * self.block_size
+        measured = ModelRunner(draft, replace(draft_config(self._config, block), cuda_graphs=False))
+        return measured._device_memory(graphs)
 
     @torch.inference_mode()
     def _step_memory(self, tokens: int, prompt: bool) -> int:

@@ -143,19 +143,27 @@ class Speculator:
         self.rule.settled(proposed, accepted)
 
 
-def speculator_for(config: EngineConfig, target: Any, target_tokens: int) -> Speculator | None:
+def load_draft(config: EngineConfig, target: Any) -> Any:
+    """The draft model an EngineConfig asks for, on the target's device and in its dtype (None: no draft); loaded
+    before the target's runner, which leaves the draft's cache and steps their room (draft.py)."""
+    if config.speculative != "draft":
+        return None
+    from workers.engine.model_loader import load_model  # it imports torch, which a simulated worker does without
+
+    dtype = str(target.model.dtype).removeprefix("torch.")
+    return load_model(config.speculative_model, str(target.device), dtype)
+
+
+def speculator_for(config: EngineConfig, target: Any, target_tokens: int, draft: Any = None) -> Speculator | None:
     """The speculator an EngineConfig asks for (None: no speculation); `target`: the LoadedModel it serves, whose
-    KV cache holds `target_tokens` tokens (a draft model's holds as many)."""
+    KV cache holds `target_tokens` tokens (a draft model's holds as many); `draft`: load_draft's model."""
     if not config.speculative:
         return None
     if config.speculative == "ngram":
         proposer: Proposer = NgramProposer(config.ngram_min, config.ngram_max)
     elif config.speculative == "draft":
         from workers.engine.draft import DraftProposer  # it imports torch, which a simulated worker does without
-        from workers.engine.model_loader import load_model
 
-        dtype = str(target.model.dtype).removeprefix("torch.")
-        draft = load_model(config.speculative_model, str(target.device), dtype)
         proposer = DraftProposer(draft, target, config, target_tokens)
     else:
         raise ValueError(f"speculative {config.speculative!r} is none of {', '.join(SPECULATIVE_METHODS)}")

@@ -157,7 +157,7 @@ class SimulatedModel:
     tensor_parallel_size: int = 1
     pooling: None = None  # no hidden states to pool: embed requests are refused (424), naming the model
 
-    def runner(self, config: EngineConfig, capture=None) -> SimulatedRunner:
+    def runner(self, config: EngineConfig, capture=None, draft=None) -> SimulatedRunner:
         return SimulatedRunner(self.profile, config)
 
     def grammars(self) -> None:
