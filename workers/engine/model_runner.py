@@ -197,7 +197,13 @@ class PromptScoring:
 
 @dataclass(frozen=True)
 class PackedStep:
-    """A step as every rank needs it: one int64 tensor, and the header that says how it divides."""
+    """A step as every rank needs it: one int64 tensor, and the header that says how it divides.
+
+    Each part starts 16 bytes aligned (padded to an even length), whatever the sizes before it: Triton
+    compiles a kernel once per alignment of each pointer it is given (triton_attention.py), so a part whose
+    alignment followed the parity of the sizes before it would compile a new variant of each kernel that
+    reads it, within the step that first met it.
+    """
 
     # replay (0/1), decodes, block tables' width, then the size of each part of `flat`: ids, positions, slots,
     # lengths, sample_rows, query_starts, the prefill kernel's tiles, block tables, image_rows, lora_slots, then
@@ -221,6 +227,16 @@ class PackedStep:
     @property
     def sizes(self) -> list[int]:
         return self.header[3:]
+
+    def parts(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """`flat` or `host` cut into its parts, without their padding."""
+        padded = packed.split([_aligned(size) for size in self.sizes])
+        return [part[:size] for part, size in zip(padded, self.sizes, strict=True)]
+
+
+def _aligned(size: int) -> int:
+    """The int64 elements a part of `size` takes in a PackedStep: a multiple of 16 bytes."""
+    return size + size % 2
 
 
 _TEXT_STEP_HEADER = 13  # replay, decodes, width and ten sizes
@@ -466,7 +482,7 @@ class ModelRunner:
         zeros (a tensor-parallel model has text only: ten parts, no 3-D positions)."""
         header = header[:_TEXT_STEP_HEADER]
         sizes = header[3:]
-        flat = self._parallel.broadcast(torch.empty(sum(sizes), dtype=torch.long, device=self._device))
+        flat = self._parallel.broadcast(torch.empty(sum(map(_aligned, sizes)), dtype=torch.long, device=self._device))
         host = flat if self._device.type == "cpu" else flat.cpu() if self.kernels != "triton" else None
         self._run(PackedStep(header, flat, host), self._cache)
 
@@ -496,7 +512,11 @@ class ModelRunner:
             prefill_work = prefill_tiles(step.query_starts, rows)
         parts = [step.ids, step.positions, step.slots, step.lengths, step.sample_rows, step.query_starts]
         parts += [prefill_work, tables, step.image_rows, step.lora_slots, *(step.mrope or ())]
-        host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
+        values: list[int] = []
+        for part in parts:
+            values += part
+            values += [0] * (_aligned(len(part)) - len(part))
+        host = torch.tensor(values, dtype=torch.long)
         header = [int(replay), step.decodes, width, *map(len, parts)]
         return PackedStep(header, to_device(host, self._device), host)
 
@@ -515,13 +535,13 @@ class ModelRunner:
             image_rows,
             lora_slots,
             *mrope,
-        ) = packed.flat.split(sizes)
+        ) = packed.parts(packed.flat)
         block_tables = flat_tables.view(-1, width)
         if packed.replay:  # a decode step: every row is sampled
             return self._graphs.run(ids, positions, slots, block_tables, lengths, lora_slots)[sample_rows]
         prompts = ()
         if self.kernels != "triton" and sizes[5]:  # prompt chunks (query_starts), and kernels that take them
-            host = packed.host.split(sizes)
+            host = packed.parts(packed.host)
             prompts = self._prompt_chunks(host[5].tolist(), host[3].tolist(), host[7].tolist(), decodes, width)
         batch = PagedBatch(
             kv=kv,

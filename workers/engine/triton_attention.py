@@ -15,6 +15,15 @@ its tokens are cached once this step's are stored. Three kinds of work:
   cu_seqlens_q over the packed rows), each query attending causally to its
   sequence's cached prefix and to the chunk itself, all read through the block
   table (the store runs first).
+Triton compiles a kernel once per key: each pointer's 16-byte alignment, each
+integer's being 1 or a multiple of 16, the constexprs; a key first met
+compiles within that step (0.2-0.4 s). The model runner packs every part of a
+step 16 bytes aligned (model_runner.PackedStep). What still varies from step
+to step is left unspecialised (do_not_specialize,
+do_not_specialize_on_alignment): the table width and the decode split, and
+the prefill's block tables and lengths, which start after the decoding rows'.
+Each only offsets a scalar load or bounds a loop, where a known alignment or
+divisibility gains nothing.
 Scores and softmax state are float32 (float64 for a float64 model, which the
 exactness tests use); float32 matrix products are exact ("ieee"), not TF32.
 """
@@ -90,7 +99,7 @@ def _weighted(p, v, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "stride_table"])
 def _decode_kernel(
     query,
     key_cache,
@@ -167,7 +176,7 @@ def _decode_kernel(
         tl.store(target, result.to(out.dtype.element_ty), mask=rows_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_kernel(
     partial_acc,
     partial_max,
@@ -196,7 +205,7 @@ def _merge_kernel(
     tl.store(out + seq * stride_ot + head * stride_oh + d, result.to(out.dtype.element_ty), mask=d < DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"], do_not_specialize_on_alignment=["block_tables", "lengths"])
 def _prefill_kernel(
     query,
     key_cache,
