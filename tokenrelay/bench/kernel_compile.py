@@ -57,8 +57,8 @@ def engine_launches(shape: ModelShape, dtype: torch.dtype) -> dict[str, KernelLa
     tables as long as the longest sequence; LoRA pools of the default rank for the widest shrink and expand,
     the fused QKV projection's (three parts' ranks stacked), and the longest shrink, the down projection's,
     B a transposed view of the pool's Bᵀ as models/lora.py passes it. Every pointer is 16-byte aligned, as
-    the decode graphs' static buffers are; an eager step's int64 inputs, cut from one flat tensor, may not
-    be, and Triton then compiles a variant without that hint (for the prefill it took the same registers)."""
+    the decode graphs' static buffers and the parts of an eager step's flat int64 tensor are (the prefill
+    kernel takes its block tables and lengths without that hint: they start after the decoding rows')."""
     config = EngineConfig()
     block_size, max_blocks = config.block_size, -(-config.max_seq_len // config.block_size)
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
@@ -118,7 +118,8 @@ def _lora_launches(tokens: int, inputs: int, outputs: int, rank: int, empty) -> 
 def specialised(launch: KernelLaunch) -> ASTSource:
     """The kernel as Triton's launcher compiles it for these arguments: a pointer's element type, marked
     16-byte aligned where it is; an integer as i32 or i64, marked where it is a multiple of 16, and a
-    constant where it is 1; a float as fp32; the constexprs as given."""
+    constant where it is 1; a float as fp32; the constexprs as given. An argument the kernel names in
+    do_not_specialize is not marked, nor a constant; in do_not_specialize_on_alignment, not marked."""
     kernel = launch.kernel
     if not isinstance(kernel, triton.runtime.JITFunction):
         raise TypeError(f"{kernel!r} is not compiled by Triton (TRITON_INTERPRET is set): nothing to check")
@@ -127,18 +128,20 @@ def specialised(launch: KernelLaunch) -> ASTSource:
     if set(values) != set(names):
         raise TypeError(f"{kernel.__name__} takes {names}, its launch gives {sorted(values)}")
     signature, constexprs, attrs = {}, {}, {}
-    for index, name in enumerate(names):
+    for index, (name, param) in enumerate(zip(names, kernel.params, strict=True)):
         value = values[name]
         path = (index,)
-        if name in launch.constexprs or (type(value) is int and value == 1):
+        specialise = not param.do_not_specialize
+        marked = specialise and not param.do_not_specialize_on_alignment
+        if name in launch.constexprs or (specialise and type(value) is int and value == 1):
             signature[name], constexprs[path] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + _POINTEE[value.dtype]
-            if value.data_ptr() % 16 == 0:
+            if marked and value.data_ptr() % 16 == 0:
                 attrs[path] = _DIVISIBLE
         elif type(value) is int:
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if value % 16 == 0:
+            if marked and value % 16 == 0:
                 attrs[path] = _DIVISIBLE
         elif isinstance(value, float):
             signature[name] = "fp32"
