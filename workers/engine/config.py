@@ -30,6 +30,10 @@ class EngineConfig:
     ngram_min: int = 2  # prompt lookup matches the context's last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 4
 
+    def for_draft(self, kv_cache_bytes: int) -> EngineConfig:
+        """A draft model's runner's settings (draft.py): these, with a cache of `kv_cache_bytes` and no adapters."""
+        return replace(self, kv_cache_bytes=kv_cache_bytes, max_loras=0, speculative="")
+
     def for_device(self, device_type: str) -> EngineConfig:
         """These settings with every default of the device type ("cpu", "cuda") filled in."""
         gpu = device_type == "cuda"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -41,11 +40,6 @@ log = structlog.get_logger(__name__)
 _GREEDY = SamplingParams(seed=0)
 
 
-def draft_config(config: EngineConfig, kv_cache_bytes: int) -> EngineConfig:
-    """The settings of the draft's runner: the target's, with a cache of `kv_cache_bytes` and no adapters."""
-    return replace(config, kv_cache_bytes=kv_cache_bytes, max_loras=0, speculative="")
-
-
 class DraftProposer:
     def __init__(self, draft: Any, target: Any, config: EngineConfig, target_tokens: int) -> None:
         """`draft` and `target`: LoadedModels (model_loader.py) on one device; the draft's cache holds
@@ -58,7 +52,7 @@ class DraftProposer:
                 f"{config.max_seq_len}"
             )
         tokens = max(target_tokens, config.max_seq_len)
-        self._runner = draft.runner(draft_config(config, tokens * KVGeometry.of(draft.model).bytes_per_token))
+        self._runner = draft.runner(config.for_draft(tokens * KVGeometry.of(draft.model).bytes_per_token))
         self._blocks = BlockManager(self._runner.num_blocks, config.block_size)
         self._drafts: dict[str, Sequence] = {}  # by request id
         self._synced: dict[str, int] = {}  # by request id: the target's tokens when last proposed for

@@ -636,10 +636,8 @@ class ModelRunner:
     def _draft_memory(self, draft: LoadedModel, graphs: bool) -> DeviceMemory:
         """The draft's, as its runner (draft.py), with this one's settings on this device, will take it: measured by
         a runner of it over a cache of one block, which captures no graphs."""
-        from workers.engine.draft import draft_config  # it imports this module
-
         block = KVGeometry.of(draft.model).bytes_per_token * self.block_size
-        measured = ModelRunner(draft, replace(draft_config(self._config, block), cuda_graphs=False))
+        measured = ModelRunner(draft, replace(self._config.for_draft(block), cuda_graphs=False))
         return measured._device_memory(graphs)
 
     @torch.inference_mode()
