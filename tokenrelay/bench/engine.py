@@ -412,6 +412,9 @@ def main(argv: list[str] | None = None) -> None:
             "output_lens": args.output_lens,
             "seed": args.seed,
             "device": str(engine_model.device),
+            "device_name": torch.cuda.get_device_name(engine_model.device)
+            if engine_model.device.type == "cuda"
+            else "",
             "dtype": str(engine_model.model.dtype),
             "max_batch_size": batch_size,
         }
