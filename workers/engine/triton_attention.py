@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.engine.kernel_launch import KernelLaunch
+from workers.engine.kernel_launch import KernelLaunch, compute_constexpr, compute_dtype
 
 # A decode program should have at least this many blocks of its sequence to
 # read, or the merge costs more than the split gains.
@@ -277,10 +277,6 @@ def _prefill_kernel(
     tl.store(target, result.to(out.dtype.element_ty), mask=rows_mask)
 
 
-def _accumulator(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _precision(dtype: torch.dtype) -> str:
     """float32 products exact, not rounded to TF32; 16-bit ones take the default."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -327,7 +323,7 @@ def decode_launches(query, key_cache, value_cache, block_tables, lengths, scale:
     partial = splits > 1
     use_dot = _use_dot(query.dtype, block_size, dim)
     shape = (sequences, heads, splits) if partial else (1,)
-    accumulator = torch.float64 if query.dtype == torch.float64 else torch.float32
+    accumulator = compute_dtype(query.dtype)
     partial_max = torch.empty(shape, dtype=accumulator, device=query.device)
     partial_sum = torch.empty(shape, dtype=accumulator, device=query.device)
     partial_acc = torch.empty((*shape, dim) if partial else (1,), dtype=accumulator, device=query.device)
@@ -345,7 +341,7 @@ def decode_launches(query, key_cache, value_cache, block_tables, lengths, scale:
             PARTIAL=partial,
             USE_DOT=use_dot,
             PRECISION=_precision(query.dtype),
-            ACC=_accumulator(query.dtype),
+            ACC=compute_constexpr(query.dtype),
         ),
     )
     if not partial:
@@ -410,7 +406,7 @@ def prefill_launch(
             BLOCK_D=block_d,
             USE_DOT=_use_dot(query.dtype, block_size, dim),
             PRECISION=_precision(query.dtype),
-            ACC=_accumulator(query.dtype),
+            ACC=compute_constexpr(query.dtype),
         ),
         num_warps=_prefill_warps(query.dtype, block_q * block_g, block_d),
     )

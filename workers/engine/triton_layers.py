@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.engine.kernel_launch import KernelLaunch
+from workers.engine.kernel_launch import KernelLaunch, compute_constexpr
 
 _SILU_BLOCK = 1024  # elements of a row per SiLU-and-multiply program: 8 a thread at 4 warps
 
@@ -115,11 +115,6 @@ def _rotary_kernel(
     _rotate(k + row * stride_kr, stride_kh, c, s, KV_HEADS, BLOCK_KV, HALF, BLOCK_HALF, COMPUTE)
 
 
-def _compute(dtype: torch.dtype):
-    """The precision a kernel computes in: float32, or float64 for a float64 model (torch's own, on the CPU)."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _warps(elements: int) -> int:
     """Warps for a program of `elements` floats held at once: about 16 a thread, from 1 warp up to 16. A row
     of RMSNorm stays in registers, no loop over chunks: at hidden 8192 (16 warps) it compiled for sm_90 to 32
@@ -137,7 +132,7 @@ def add_rms_norm_launch(x, residual, weight, eps: float, normed, summed) -> Kern
         (rows,),
         (x, residual if has_residual else x, weight, normed, summed, x.stride(0))
         + ((residual if has_residual else x).stride(0), eps),
-        dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual, COMPUTE=_compute(x.dtype)),
+        dict(HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual, COMPUTE=compute_constexpr(x.dtype)),
         num_warps=_warps(block),
     )
 
@@ -160,7 +155,7 @@ def silu_and_mul_launch(x, out) -> KernelLaunch:
         _silu_and_mul_kernel,
         (rows, triton.cdiv(intermediate, _SILU_BLOCK)),
         (x, out, x.stride(0)),
-        dict(INTERMEDIATE=intermediate, BLOCK=_SILU_BLOCK, COMPUTE=_compute(x.dtype)),
+        dict(INTERMEDIATE=intermediate, BLOCK=_SILU_BLOCK, COMPUTE=compute_constexpr(x.dtype)),
     )
 
 
@@ -188,7 +183,7 @@ def rotary_launch(q, k, positions, cos, sin) -> KernelLaunch:
             BLOCK_KV=triton.next_power_of_2(kv_heads),
             HALF=dim // 2,
             BLOCK_HALF=block_half,
-            COMPUTE=_compute(q.dtype),
+            COMPUTE=compute_constexpr(q.dtype),
         ),
         num_warps=_warps(2 * block_h * block_half),
     )
