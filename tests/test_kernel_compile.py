@@ -5,7 +5,9 @@ knows nothing of registers. This compiles them as `tokenrelay bench kernels` doe
 and dtypes is the bench's), where register pressure is highest: every kernel in bf16 at Llama-3-8B's shape
 (head_dim 128 and hidden 4096, the largest tiles), and the prefill kernel in fp16 too. Both prefills
 spilled there at Triton's default 4 warps (255 registers, 44-56 bytes), until their tiles got 8. The layer
-kernels compile in fp64 too, at the bundled model's shape: the exactness tests run them so on a GPU.
+and LoRA kernels compile in fp64 too, at the bundled model's shape: the exactness tests run them so on a GPU.
+Every program must fit an H100's (and H200's) 227 KB of shared memory, or its launch fails: the fp64 LoRA
+shrink took 272 KB until its input step was halved.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from tokenrelay.bench.kernels import KERNELS, compile_jobs, failures, table
 from workers.bundled import BUNDLED_MODEL_NAME
 
 SUBSET = [(kernel, "bf16", "llama-3-8b") for kernel in KERNELS] + [("prefill", "fp16", "llama-3-8b")]
-SUBSET += [(kernel, "fp64", BUNDLED_MODEL_NAME) for kernel in ("add-rms-norm", "silu-mul", "rotary")]
+SUBSET += [
+    (kernel, "fp64", BUNDLED_MODEL_NAME)
+    for kernel in ("add-rms-norm", "silu-mul", "rotary", "lora-shrink", "lora-expand", "lora-shrink-down")
+]
+SHARED_MEMORY = 227 * 1024  # bytes a program of sm_90 may take
 
 
 def test_every_kernel_compiles_for_sm_90_without_spilling_at_llama_3_8bs_shape():
@@ -29,6 +35,7 @@ def test_every_kernel_compiles_for_sm_90_without_spilling_at_llama_3_8bs_shape()
     ]
     assert outcomes == [(*job, None, 0, 0) for job in SUBSET], table(rows)
     assert all(0 < r["registers"] <= 255 and r["stack"] == 0 for r in rows), table(rows)
+    assert all(r["shared"] <= SHARED_MEMORY for r in rows), table(rows)
     assert failures(rows) == []
 
 

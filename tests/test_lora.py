@@ -4,7 +4,9 @@ The bundled adapters (workers/train_bundled_adapters.py) are the references'
 inputs: `shout` (rank 8 on all seven projections) answers in upper case,
 `code` (rank 16, rsLoRA, four projections) in Python. In float64 the engine's
 greedy tokens equal PEFT's on transformers' model, alone and with both
-adapters and the base model in one step.
+adapters and the base model in one step. The engine runs on the CPU, or on a
+GPU with TOKENRELAY_TEST_DEVICE=cuda (its LoRA products in triton_lora.py
+there); PEFT's reference runs on the CPU, where float64 is exact and cheapest.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from schemas.adapters import AdapterError, LoraSupport, check_fits, read_adapter
+from tests.devices import TEST_DEVICE
 from tests.processes import TOKENRELAY, metric, serving
 from tests.test_engine import Harness, _tokens
 from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_MODEL
@@ -45,7 +48,7 @@ BUNDLED_SUPPORT = LoraSupport(
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(str(BUNDLED_MODEL), "cpu", "float64")
+    return load_model(str(BUNDLED_MODEL), str(TEST_DEVICE), "float64")
 
 
 @pytest.fixture(scope="module")

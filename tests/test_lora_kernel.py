@@ -7,7 +7,8 @@ and each product about as large as y: a row given another slot's adapter, or non
 the tolerance. Rows of no slot, and the columns beside y's view, must come out bit for bit as they went in.
 The pools are laid out as the engine's (models/lora.py): the first R ranks of wider ones, B a transposed
 view of its Bᵀ, with their other ranks nonzero so that a kernel reading past R is caught. In 16 bits the
-kernels round x·Aᵀ once, as torch does, and y once. bfloat16's tl.dot does not run under the interpreter: it is
+kernels round x·Aᵀ once, as torch does, and y once; in float64 (the exactness tests' dtype) they compute in
+float64, and only the order of the sums differs. bfloat16's tl.dot does not run under the interpreter: it is
 checked on a GPU only.
 """
 
@@ -25,8 +26,8 @@ from workers.engine import triton_lora
 # significand), against a float64 reference over the same rounded inputs: 8 times float16's for bfloat16. The worst
 # error measured, as the least tolerance taken both ways: float16 8.4e-4, bfloat16 5.0e-3 (the kernels run on the
 # CPU under Triton's interpreter, made to multiply bfloat16 exactly and round to nearest even as a GPU does).
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if TEST_DEVICE.type == "cuda" else [])
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
+DTYPES = [torch.float64, torch.float32, torch.float16] + ([torch.bfloat16] if TEST_DEVICE.type == "cuda" else [])
 POOL_SLOTS = 4
 SPARE_RANKS = 8  # the pools' ranks past the step's R
 
@@ -74,7 +75,7 @@ def _grouped(row_slots: torch.Tensor, base_rows_last: bool) -> tuple[torch.Tenso
 
 
 def _expected(y, x, a, b, row_slots: torch.Tensor) -> torch.Tensor:
-    expected = y.double()
+    expected = y.to(torch.float64, copy=True)  # never y itself, a float64 y included
     for row, slot in enumerate(row_slots.tolist()):
         if slot >= 0:
             expected[row] += (x[row].double() @ a[slot].double().T) @ b[slot].double().T

@@ -6,8 +6,9 @@ A projection's pool (models/lora.py) holds A [slots, R, inputs] and B
 rows arrive grouped by slot as `order`, `starts` and `counts` (LoraRows),
 device tensors built there with torch ops. As Punica's SGMV does, each
 launch's programs take a tile of one slot's rows: the shrink computes
-t = x·Aᵀ in float32, the expand adds t·Bᵀ to y. The grids are sized from the
-shapes alone, every slot given room for all the step's rows, and a program
+t = x·Aᵀ in float32 (float64 for a float64 model, which the exactness tests
+run: kernel_launch.compute_dtype), the expand adds t·Bᵀ to y. The grids are
+sized from the shapes alone, every slot given room for all the step's rows, and a program
 past its slot's rows returns at once: no host sync, the same launches
 whatever the step's mix of adapters, so that decode graphs capture them.
 Rows outside every slot's range (the base model's) are never read or written.
@@ -16,8 +17,9 @@ A decode step has a few rows per slot, so few row tiles that one shrink
 program per tile would stream a whole A [R, inputs] alone; the shrink splits
 its inputs among programs, each storing its partial t, and the expand sums
 them in a fixed order (the same bits every run, no atomics), rounds t to the
-model's dtype once, as torch's x·Aᵀ is, and multiplies on tensor cores in
-float32. float32 models' products are exact ("ieee"), not TF32.
+model's dtype once, as torch's x·Aᵀ is, and multiplies on tensor cores,
+accumulating as the shrink does. float32 models' products are exact
+("ieee"), not TF32.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.engine.kernel_launch import KernelLaunch
+from workers.engine.kernel_launch import KernelLaunch, compute_constexpr, compute_dtype
 
 _BLOCK_M = 16  # rows of a slot per program: tl.dot's least, and a decode step has few rows per slot
 _BLOCK_K = 64  # inputs per shrink step
+# float64's: A's tile [32, R] in float32's bytes. At R 256 (sm_90) the shrink then takes float32's 136 KB of shared
+# memory; 64 inputs took 272 KB, past an H100's 227 KB a program, and spilled 24 bytes of registers.
+_BLOCK_K_FLOAT64 = 32
 _BLOCK_N = 128  # outputs per expand program
 _BLOCK_R = 64  # ranks per expand step: a fused QKV's 3 x 64 in three
 _SHRINK_PROGRAMS = 264  # the shrink's busy programs wanted: two per processor of an H200 (132)
@@ -70,6 +75,7 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     tile, split, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     positions, rows, in_slot, busy = _slot_rows(order, starts, counts, slot, tile, BLOCK_M)
@@ -80,7 +86,7 @@ def _shrink_kernel(
     x_rows = x + rows[:, None] * stride_x
     ranks = r[None, :] < R
     a_ranks = a + slot * stride_as + r[None, :] * stride_ar
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], ACC)
     first = split * split_inputs
     for start in range(first, tl.minimum(first + split_inputs, INPUTS), BLOCK_K):
         inputs = start + k
@@ -111,6 +117,7 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     tile, out_tile, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     positions, rows, in_slot, busy = _slot_rows(order, starts, counts, slot, tile, BLOCK_M)
@@ -118,19 +125,19 @@ def _expand_kernel(
         return
     n = out_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     b_outputs = b + slot * stride_bs + n[None, :] * stride_bo
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], ACC)
     for first in range(0, R, BLOCK_R):
         r = first + tl.arange(0, BLOCK_R)
         t_mask = in_slot[:, None] & (r[None, :] < R)
         t_tile = partials + positions[:, None] * R + r[None, :]
-        t = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        t = tl.zeros([BLOCK_M, BLOCK_R], ACC)
         for split in range(splits):
             t += tl.load(t_tile + split * stride_ps, mask=t_mask, other=0.0)
         b_tile = tl.load(b_outputs + r[:, None] * stride_br, mask=(r[:, None] < R) & (n[None, :] < OUTPUTS), other=0.0)
         acc += tl.dot(t.to(b.dtype.element_ty), b_tile, input_precision=PRECISION)
     target = y + rows[:, None] * stride_y + n[None, :]
     y_mask = in_slot[:, None] & (n[None, :] < OUTPUTS)
-    added = tl.load(target, mask=y_mask, other=0.0).to(tl.float32) + acc
+    added = tl.load(target, mask=y_mask, other=0.0).to(ACC) + acc
     tl.store(target, added.to(y.dtype.element_ty), mask=y_mask)
 
 
@@ -149,13 +156,13 @@ def shrink_split_inputs(rows: int, slots: int, inputs: int) -> int:
 
 def lora_launches(y, x, a, b, order, starts, counts) -> list[KernelLaunch]:
     """The shrink kernel's KernelLaunch, then the expand's (see add_lora), their partial t [splits, rows, R]
-    float32 allocated here."""
+    (float32, float64 for float64 inputs) allocated here."""
     rows, inputs = x.shape
     slots, rank, _ = a.shape
     outputs = b.shape[1]
     split_inputs = shrink_split_inputs(rows, slots, inputs)
     splits = triton.cdiv(inputs, split_inputs)
-    partials = torch.empty((splits, rows, rank), dtype=torch.float32, device=x.device)
+    partials = torch.empty((splits, rows, rank), dtype=compute_dtype(x.dtype), device=x.device)
     row_tiles = triton.cdiv(rows, _BLOCK_M)
     block_r = max(16, triton.next_power_of_2(rank))  # tl.dot: at least 16 each way
     shrink = KernelLaunch(
@@ -167,8 +174,9 @@ def lora_launches(y, x, a, b, order, starts, counts) -> list[KernelLaunch]:
             R=rank,
             BLOCK_M=_BLOCK_M,
             BLOCK_R=block_r,
-            BLOCK_K=_BLOCK_K,
+            BLOCK_K=_BLOCK_K_FLOAT64 if x.dtype == torch.float64 else _BLOCK_K,
             PRECISION=_precision(x.dtype),
+            ACC=compute_constexpr(x.dtype),
         ),
     )
     expand = KernelLaunch(
@@ -182,6 +190,7 @@ def lora_launches(y, x, a, b, order, starts, counts) -> list[KernelLaunch]:
             BLOCK_N=_BLOCK_N,
             BLOCK_R=min(_BLOCK_R, block_r),
             PRECISION=_precision(x.dtype),
+            ACC=compute_constexpr(x.dtype),
         ),
     )
     return [shrink, expand]
@@ -200,7 +209,7 @@ def add_lora(
 
     x [rows, inputs], y [rows, outputs] (rows of any stride, columns contiguous), a [slots, R, inputs] and
     b [slots, outputs, R] of any strides (a pool's first R ranks, B a transposed view where it stores Bᵀ),
-    all float16, bfloat16 or float32 alike. order, starts, counts: int64 device tensors [rows],
+    all float16, bfloat16, float32 or float64 alike. order, starts, counts: int64 device tensors [rows],
     [slots], [slots]: slot s's rows are order[starts[s] : starts[s] + counts[s]]; a row in no slot's range
     is left exactly as it is."""
     if x.shape[0]:
