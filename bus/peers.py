@@ -74,6 +74,11 @@ class PeerClock:
             return None
         return now - self._own_heard_at
 
+    def counted_to(self, now: float) -> float:
+        """Up to when a peer's silence counts: the last own heartbeat heard while they come back (what this process
+        has not read yet may hold the peer's next heartbeat, as it holds its own), else now."""
+        return self._own_heard_at if self.working(now) else now
+
     def gone(self, peer: str, now: float) -> bool:
         """Said goodbye, or silent for `silence_s` of a working topic. An unknown peer is not gone.
 
@@ -85,8 +90,7 @@ class PeerClock:
         heard_at = self._heard.get(peer)
         if heard_at is None or not self.working(now):
             return False
-        assert self._own_heard_at is not None  # working
-        return self._own_heard_at - max(heard_at, self._working_since) > self._silence_s
+        return self.counted_to(now) - max(heard_at, self._working_since) > self._silence_s
 
     def stuck(self) -> bool:
         """Own heartbeats were published, each of them, for `stuck_after_s` and none came back."""

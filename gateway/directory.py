@@ -11,7 +11,10 @@ known from its heartbeats, unless the topic says they were unloaded. Until some 
 announced something, no name is known yet and every one is unavailable
 rather than unknown: the workers may still be loading their models. A
 worker is live while its heartbeats keep coming, each within a few of its
-announced intervals.
+announced intervals, its silence counted as the failover counts it (up to the
+gateway's own last heartbeat heard, while they come back: a broker that
+stops right after a worker's late heartbeat is the broker's fault, which the
+gateway names once its own heartbeats stay away, not the worker's).
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ class _Worker:
     heartbeat: WorkerHeartbeat
     seen_at: float
 
-    def live(self, now: float) -> bool:
-        return now - self.seen_at <= MISSED_HEARTBEATS * self.heartbeat.interval_s
+    def live(self, counted_to: float) -> bool:
+        return counted_to - self.seen_at <= MISSED_HEARTBEATS * self.heartbeat.interval_s
 
 
 class WorkerDirectory:
-    def __init__(self, on_new_model: Callable[[str], None] = lambda name: None) -> None:
-        """`on_new_model(name)`: called with the canonical name of each model when it is first announced."""
+    def __init__(
+        self,
+        on_new_model: Callable[[str], None] = lambda name: None,
+        counted_to: Callable[[float], float] = lambda now: now,
+    ) -> None:
+        """`on_new_model(name)`: called with the canonical name of each model when it is first announced;
+        `counted_to(now)`: up to when a worker's silence counts (PeerClock.counted_to; default: now)."""
+        self._counted_to = counted_to
         self._workers: dict[str, _Worker] = {}
         self._models: dict[str, ServedModel] = {}  # every alias ever announced
         self._adapter_states: dict[str, AdapterState] = {}  # run-time adapters, by name: the latest state
@@ -90,7 +99,7 @@ class WorkerDirectory:
 
     def served_names(self) -> list[str]:
         """Every name a live worker answers to, aliases and adapters included."""
-        now = time.monotonic()
+        now = self._counted_to(time.monotonic())
         live = {w.heartbeat.model.name for w in self._workers.values() if w.live(now)}
         return [name for name in self.known_names() if self._resolve(name).name in live]
 
@@ -100,9 +109,9 @@ class WorkerDirectory:
 
     def live_workers(self, model: str) -> int:
         """Live workers serving the model of canonical name `model`."""
-        now = time.monotonic()
+        now = self._counted_to(time.monotonic())
         return sum(1 for w in self._workers.values() if w.heartbeat.model.name == model and w.live(now))
 
     def any_live(self) -> bool:
-        now = time.monotonic()
+        now = self._counted_to(time.monotonic())
         return any(w.live(now) for w in self._workers.values())

@@ -95,13 +95,13 @@ class GatewayService:
         self._routing_topic = routing_topic(settings.topic_prefix)
         self._adapters_topic = adapters_topic(settings.topic_prefix)
         self._metrics = metrics_of("gateway")
-        self.directory = WorkerDirectory(on_new_model=self._count_from_zero)
         self.inflight = InFlightRegistry()
         self.router = Router(self._reply_topic)
         self._dispatcher = Dispatcher(bus, self.router if settings.route else None, settings.topic_prefix)
         self._failover = Failover(
             bus, self.inflight, self._control_topic, self._dispatcher, HEARTBEAT_INTERVAL_S, LISTENER_STUCK_S
         )
+        self.directory = WorkerDirectory(self._count_from_zero, self._failover.workers.counted_to)
         self._stop_answers: dict[str, asyncio.Future[int]] = {}  # question id -> requests stopped elsewhere
         # Only the stuck-consumer check of the reply listener: no peers there, so no silence or forgetting.
         self._reply_echo = PeerClock(HEARTBEAT_INTERVAL_S, 0.0, LISTENER_STUCK_S, 0.0)

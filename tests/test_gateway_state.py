@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from bus.inprocess import InProcessBus
+from bus.peers import PeerClock
 from bus.topics import control_topic, reply_topic
 from gateway.directory import WorkerDirectory
 from gateway.errors import ApiError
@@ -175,6 +176,19 @@ def test_a_silent_worker_is_dead_after_three_intervals_but_its_model_stays_known
     time.sleep(0.35)
     assert directory.live_workers("tiny") == 0 and not directory.any_live()
     assert directory.announced("tiny").name == "tiny"  # 503 rather than 404
+
+
+def test_a_workers_silence_counts_up_to_the_gateways_own_last_heartbeat_while_they_come_back():
+    """A broker that stops right after a worker's late heartbeat: while the gateway's own heartbeats are not yet
+    missed, the worker is not dead for it (the 503 blames the broker once they are); then it is."""
+    clock = PeerClock(interval_s=0.2, silence_s=0.3, stuck_after_s=60, forget_after_s=60)
+    directory = WorkerDirectory(counted_to=clock.counted_to)
+    directory.observe(_heartbeat("w1", ["tiny"], interval_s=0.1))
+    clock.own_heard(time.monotonic())
+    time.sleep(0.4)  # the worker silent for 4 of its intervals, the gateway's own for 2 of its 2.5
+    assert directory.live_workers("tiny") == 1 and directory.any_live()
+    time.sleep(0.2)  # the gateway's own heartbeats missed too: silence counts up to now
+    assert directory.live_workers("tiny") == 0 and not directory.any_live()
 
 
 def test_routes_without_a_model_use_the_only_one_or_the_configured_default():
