@@ -3,7 +3,7 @@
 A device is lent rarely and for 15 minutes, and each failure there costs a
 run: the first H200 run collected no test for want of llguidance. The dry run
 runs each stage as the device would (GPU_CHECK_DEVICE=cpu: the bundled model,
-a few requests, two tests of the device's selection) with the device image's
+a few requests, one test of the device's selection) with the device image's
 packages and the carried wheels alone importable (.ci/device_site), and
 .ci/device-imports checks the versions of what its processes imported.
 """
@@ -17,7 +17,7 @@ import sys
 
 from tokenrelay.topology import REPO
 
-DRY_RUN_TESTS = "test_events_describe_every_token or test_add_rms_norm_equals_torchs"
+DRY_RUN_TESTS = "test_add_rms_norm_equals_torchs"
 
 
 def test_the_dry_run_passes_every_stage_with_the_devices_packages_and_their_versions_meet_its_imports(tmp_path):
@@ -36,7 +36,7 @@ def test_the_dry_run_passes_every_stage_with_the_devices_packages_and_their_vers
     failed = {stage: result for stage, result in summary.items() if result["status"] != "pass"}
     assert run.returncode == 0 and not failed, f"{failed}\n{run.stdout}\n{(tmp_path / 'summary.txt').read_text()}"
     assert "as the README" in summary["serve"]["note"]
-    assert summary["tests"]["note"].startswith(("31 passed", "32 passed")) and "0 failed" in summary["tests"]["note"]
+    assert summary["tests"]["note"] == "30 passed, 0 failed, 0 skipped"
     assert "output tok/s" in summary["bench"]["note"]
     logs = sorted(str(p) for p in tmp_path.glob("*.log"))
     checked = subprocess.run([sys.executable, str(REPO / ".ci/device-imports"), *logs], capture_output=True, text=True)
