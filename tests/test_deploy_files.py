@@ -135,7 +135,7 @@ def test_the_image_holds_every_package():
 def test_the_image_installs_exactly_the_locked_runtime_dependencies_with_the_makefiles_uv():
     instructions = _dockerfile()
     copied = [args.split() for instruction, args in instructions if instruction == "COPY"]
-    assert ["pyproject.toml", "uv.lock", "README.md", "./"] in copied
+    assert ["pyproject.toml", "uv.lock", "README.md", "LICENSE", "NOTICE", "./"] in copied
     runs = [args for instruction, args in instructions if instruction == "RUN"]
     installs = [run for run in runs if re.search(r"\b(pip|uv)\b", run)]
     pinned = re.fullmatch(r"UV_VERSION=(\S+)", next(args for instruction, args in instructions if instruction == "ARG"))
