@@ -122,3 +122,16 @@ def test_an_unreachable_broker_is_one_line_naming_its_address_and_cause_then_exi
     lines = [json.loads(line) for line in ended.stderr.splitlines()]  # JSON only: no traceback
     assert [line["event"] for line in lines] == ["connecting_to_kafka", "kafka_unreachable"]
     assert lines[-1]["error"] == f"cannot reach Kafka at {address}: Connection refused"
+
+
+@pytest.mark.parametrize("command", [["serve"], ["worker", "--kafka-bootstrap", "127.0.0.1:9"]])
+def test_a_device_tokenrelay_does_not_run_on_is_one_line_naming_what_runs_then_exit_1(command):
+    """Refused from the flags, before a broker is looked for or a model loads: an Ascend NPU is no CUDA device."""
+    ended = subprocess.run([TOKENRELAY, *command, "--device", "npu"], capture_output=True, text=True, timeout=30)
+    assert ended.returncode == 1
+    [line] = [json.loads(line) for line in ended.stderr.splitlines()]  # JSON only: no traceback
+    assert line["event"] == "cannot_start" and line["level"] == "error"
+    assert line["error"] == (
+        "--device npu: tokenrelay runs on NVIDIA GPUs with CUDA (cuda, cuda:N) and on any CPU (cpu), auto taking "
+        "CUDA where there is one; not on Ascend NPUs or other devices"
+    )

@@ -271,6 +271,12 @@ def test_a_wrong_command_fails(subcommands):
     assert command_line_problems("`tokenrelay bench engines`", subcommands)
 
 
+def test_the_first_paragraph_says_what_hardware_runs_it():
+    first = README.read_text(encoding="utf-8").split("\n\n")[1]  # after the title
+    words = " ".join(first.split())
+    assert "NVIDIA GPUs with CUDA" in words and "any CPU" in words and "not on Ascend NPUs" in words, first
+
+
 def test_readme_links_the_api_reference():
     text = README.read_text(encoding="utf-8")
     assert "(docs/api.md)" in text and (REPO / "docs" / "api.md").is_file()

@@ -166,6 +166,9 @@ def test_the_bundled_models_are_named_as_their_flags_say():
         (["worker", *KAFKA, "--model", "/models/x", "--vision"], "--vision serves the bundled vision-language model"),
         (["gateway", *KAFKA, "--lora-root", "/no/such/dir"], "--lora-root /no/such/dir: no such directory"),
         (["serve", "--num-speculative-tokens", "0"], "--num-speculative-tokens 0: from 1 to 16"),
+        (["serve", "--device", "npu"], "--device npu: tokenrelay runs on NVIDIA GPUs with CUDA"),
+        (["worker", *KAFKA, "--device", "cuda:x"], "--device cuda:x: tokenrelay runs on NVIDIA GPUs with CUDA"),
+        (["serve", "--device", "npu:0"], "--device npu:0: tokenrelay runs on NVIDIA GPUs with CUDA"),
         (["serve", "--ngram-min", "5"], "--ngram-min 5, --ngram-max 4: 1 <= --ngram-min <= --ngram-max <= 16"),
         (["serve", "--speculative-model", "/no/such/dir"], "--speculative-model /no/such/dir: no such directory"),
         (
@@ -182,3 +185,8 @@ def test_settings_that_cannot_be_had_are_refused_before_anything_starts(argv, re
     with pytest.raises(CannotStart) as refused:
         settings_from(argv, {})
     assert str(refused.value).startswith(reason), str(refused.value)
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:7"])
+def test_the_devices_that_run_are_taken_as_given(device):
+    assert settings_from(["serve", "--device", device], {}).model.device == device

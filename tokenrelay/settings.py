@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -182,12 +183,22 @@ def _model(args: argparse.Namespace) -> ModelSettings:
     return ModelSettings(
         served_names=names or (name,),
         path=path,
-        device=args.device,
+        device=_device(args.device),
         dtype=args.dtype or None,
         model_impl=args.model_impl,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_init=args.distributed_init or None,
         adapters=_adapters(args.lora),
+    )
+
+
+def _device(device: str) -> str:
+    """--device: what torch runs the model on here. An NPU (Ascend's) is refused now, not once the model has loaded."""
+    if device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device):
+        return device
+    raise CannotStart(
+        f"--device {device}: tokenrelay runs on NVIDIA GPUs with CUDA (cuda, cuda:N) and on any CPU (cpu), auto "
+        "taking CUDA where there is one; not on Ascend NPUs or other devices"
     )
 
 
