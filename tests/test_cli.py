@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 
 import pytest
@@ -135,3 +136,15 @@ def test_a_device_tokenrelay_does_not_run_on_is_one_line_naming_what_runs_then_e
         "--device npu: tokenrelay runs on NVIDIA GPUs with CUDA (cuda, cuda:N) and on any CPU (cpu), auto taking "
         "CUDA where there is one; not on Ascend NPUs or other devices"
     )
+
+
+@pytest.mark.parametrize("command", [["serve"], ["gateway", "--kafka-bootstrap", "127.0.0.1:9"]])
+def test_a_port_in_use_is_one_line_naming_it_before_anything_loads_then_exit_1(command):
+    """Said before a model loads or a broker is looked for: the one line is all the process writes."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        ended = subprocess.run([TOKENRELAY, *command, "--port", str(port)], capture_output=True, text=True, timeout=30)
+    assert ended.returncode == 1
+    [line] = [json.loads(line) for line in ended.stderr.splitlines()]  # JSON only: no traceback
+    assert line["event"] == "cannot_start" and line["level"] == "error"
+    assert line["error"] == f"127.0.0.1:{port} is in use: another process listens there (--host, --port)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 
@@ -23,8 +24,10 @@ def http_server(
     gateway: GatewaySettings,
     bus: Bus,
     more_metrics: Callable[[], Awaitable[bytes]] | None = None,
+    sockets: list[socket.socket] | None = None,
 ) -> HttpServer:
-    """The gateway's HTTP server, its service on `bus`; `more_metrics`: another process's /metrics text to add."""
+    """The gateway's HTTP server, its service on `bus`; `more_metrics`: another process's /metrics text to add;
+    `sockets`: bound to --host and --port already (tokenrelay/listening.py), else uvicorn binds them as it starts."""
     service = GatewayService(bus, gateway)
     app = create_app(
         service,
@@ -44,7 +47,7 @@ def http_server(
         timeout_graceful_shutdown=5.0,  # after the drain: only idle connections are left to close
         **_tls(server),
     )
-    return HttpServer(config, service)
+    return HttpServer(config, service, sockets)
 
 
 def _tls(server: ServerSettings) -> dict:
@@ -58,9 +61,13 @@ def _tls(server: ServerSettings) -> dict:
 
 
 class HttpServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gateway: GatewayService) -> None:
+    def __init__(self, config: uvicorn.Config, gateway: GatewayService, sockets: list[socket.socket] | None) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self._sockets = sockets
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().serve(sockets or self._sockets)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

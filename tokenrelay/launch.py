@@ -21,6 +21,7 @@ from bus.factory import open_bus
 from bus.settings import KafkaSettings
 from tokenrelay import lifecycle
 from tokenrelay.engine_process import EngineProcess
+from tokenrelay.listening import bound_sockets
 from tokenrelay.settings import Settings, settings_of
 from tokenrelay.worker_parts import build_worker
 
@@ -45,6 +46,7 @@ def launch(args: argparse.Namespace) -> None:
 def run(settings: Settings, children: list[EngineProcess]) -> bool:
     """Build the parts of `settings`' command and run them until stopped; False when one failed. An engine
     process spawned is added to `children` at once, so that a signal while starting can kill it."""
+    sockets = bound_sockets(settings.server) if settings.server else None  # a port in use: said before all else
     bus = _bus(settings)
     if settings.command == "serve":
         engine = EngineProcess(bus, settings.engine_process())
@@ -52,11 +54,11 @@ def run(settings: Settings, children: list[EngineProcess]) -> bool:
         children.append(engine)
         from tokenrelay.http_server import http_server
 
-        parts = (http_server(settings.server, settings.gateway, bus, engine.metrics), [engine])
+        parts = (http_server(settings.server, settings.gateway, bus, engine.metrics, sockets), [engine])
     elif settings.command == "gateway":
         from tokenrelay.http_server import http_server
 
-        parts = (http_server(settings.server, settings.gateway, bus), [])
+        parts = (http_server(settings.server, settings.gateway, bus, sockets=sockets), [])
     else:
         ids = [settings.worker.worker_id]
         if settings.command == "simulate":  # one bus (producer, admin client) for every worker of the process
