@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -84,3 +85,24 @@ def test_up_keeps_its_logs_and_says_where_when_a_process_dies(kafka_bootstrap, t
         assert died[0]["log"] == str(logs / "worker-0.log")
     finally:
         shutil.rmtree(logs)
+
+
+def test_up_says_what_it_does_while_its_broker_starts_and_stops_in_json_lines_only():
+    """Without --kafka-bootstrap, `up` starts a local broker (Maven's jars, then the JVM: seconds of silence once);
+    every line it writes says what it does as JSON, the broker's start and stop too."""
+    command = [
+        TOKENRELAY,
+        *("up", "--gateways", "1", "--workers", "1", "--port", str(free_port())),
+        *("--worker-args", "--simulate no-such-profile"),  # the worker exits at once: up stops everything
+    ]
+    ended = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert ended.returncode == 1, ended.stderr[-3000:]
+    lines = [json.loads(line) for line in ended.stderr.splitlines()]  # JSON only: nothing printed beside the logger
+    events = [line["event"] for line in lines]
+    assert events[0] == "kafka_broker_starting", events  # the first thing said, before the broker's seconds
+    assert events.index("kafka_broker_started") < events.index("topology_starting"), events
+    started = lines[events.index("kafka_broker_started")]
+    assert started["bootstrap"] == f"127.0.0.1:{lines[0]['port']}" and started["seconds"] > 0
+    assert events[-1] == "kafka_broker_stopped", events
+    [said] = lines[-1]["said"]
+    assert re.fullmatch(rf"stopped the Kafka broker of {re.escape(lines[0]['data'])} \(pid \d+\)", said), said

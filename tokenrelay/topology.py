@@ -28,6 +28,7 @@ log = structlog.get_logger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
 BROKER = REPO / "deploy" / "kafka" / "broker.sh"
+JARS = REPO / "deploy" / "kafka" / "lib" / ".fetched"  # broker.sh's mark of the jars fetched
 
 
 def free_port(pair: bool = False, span: int = 1) -> int:
@@ -114,13 +115,19 @@ def local_broker(directory: Path, brokers: int = 1) -> Iterator[str]:
     command = [str(BROKER), "start", "--port", str(port), "--dir", str(directory)]
     if brokers > 1:
         command += ["--brokers", str(brokers)]
+    # Seconds of silence otherwise: Maven fetches Kafka's jars on first use, then the JVMs start.
+    log.info("kafka_broker_starting", brokers=brokers, port=port, data=str(directory), fetching_jars=not JARS.exists())
+    began = time.monotonic()
     started = subprocess.run(command, capture_output=True, text=True)
     if started.returncode != 0:
         raise RuntimeError(f"the local Kafka broker did not start: {started.stderr[-2000:]}")
+    bootstrap = started.stdout.strip()
+    log.info("kafka_broker_started", bootstrap=bootstrap, seconds=round(time.monotonic() - began, 1))
     try:
-        yield started.stdout.strip()
+        yield bootstrap
     finally:
-        subprocess.run([str(BROKER), "stop", "--dir", str(directory)], check=False)
+        stopped = subprocess.run([str(BROKER), "stop", "--dir", str(directory)], capture_output=True, text=True)
+        log.info("kafka_broker_stopped", data=str(directory), said=stopped.stderr.splitlines())
 
 
 @contextmanager
