@@ -1,10 +1,15 @@
-"""JSON logs, one line per event, for our code and for the libraries beneath it.
+"""Logs, one line per event, for our code and for the libraries beneath it: JSON for machines to read, or
+structlog's console lines for a person at a terminal.
 
 Our modules log through structlog (`structlog.get_logger(__name__)`); uvicorn,
 aiokafka and transformers log through the standard library, whose records are
 rendered the same way. A request id bound with
 `structlog.contextvars.bind_contextvars(request_id=...)` appears on every
 line logged while the request is handled.
+
+The format is `--log-format` (json or console); by default console where
+stderr is a terminal and JSON otherwise (a file, a pipe, a container's log),
+as structlog's own development setup chooses.
 """
 
 from __future__ import annotations
@@ -22,14 +27,20 @@ _SHARED = [
 ]
 
 
-def configure(level: str = "info", process: str = "tokenrelay") -> None:
-    """Send every log line of this process to stderr as JSON."""
+def configure(level: str = "info", process: str = "tokenrelay", log_format: str | None = None) -> None:
+    """Send every log line of this process to stderr, as `log_format` says (None: console on a terminal, else
+    JSON)."""
+    terminal = sys.stderr.isatty()
+    console = (log_format or ("console" if terminal else "json")) == "console"
+    # ConsoleRenderer writes tracebacks itself, as plain text: locals (rich's default) may hold keys and prompts.
+    exceptions = [] if console else [structlog.processors.format_exc_info]
+    renderer = (
+        structlog.dev.ConsoleRenderer(colors=terminal, exception_formatter=structlog.dev.plain_traceback)
+        if console
+        else structlog.processors.JSONRenderer()
+    )
     structlog.configure(
-        processors=[
-            *_SHARED,
-            structlog.processors.format_exc_info,
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
+        processors=[*_SHARED, *exceptions, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
@@ -40,9 +51,9 @@ def configure(level: str = "info", process: str = "tokenrelay") -> None:
             foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder({"repeated"})],
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                structlog.processors.format_exc_info,  # tracebacks of library records, as text
+                *exceptions,  # tracebacks of library records, as text
                 _add_process(process),
-                structlog.processors.JSONRenderer(),
+                renderer,
             ],
         )
     )

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     from telemetry import logs  # after parsing: --help needs none of what follows
 
     if args.command == "bench":
-        logs.configure("warning", process="bench")
+        logs.configure("warning", process="bench", log_format=args.log_format)
         module = f"tokenrelay.bench.{args.benchmark}"
         try:
             importlib.import_module(module).main(args.options)
@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "usage":
         from tokenrelay import usage
 
-        logs.configure("warning", process="usage")
+        logs.configure("warning", process="usage", log_format=args.log_format)
         sys.exit(usage.main(args))
-    logs.configure(args.log_level, process=args.command)
+    logs.configure(args.log_level, process=args.command, log_format=args.log_format)
     if args.command == "up":
         from tokenrelay import topology
 

@@ -134,7 +134,7 @@ def engine_main(settings: Settings, socket_path: str) -> None:
     from tokenrelay import lifecycle
     from tokenrelay.worker_parts import build_worker
 
-    logs.configure(settings.log_level, process="engine")
+    logs.configure(settings.log_level, process="engine", log_format=settings.log_format)
     for collector in (
         prometheus_client.PROCESS_COLLECTOR,
         prometheus_client.PLATFORM_COLLECTOR,

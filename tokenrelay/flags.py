@@ -100,6 +100,19 @@ def _option(parser: _Parser, flag: str, *, help: str, env: str = "", **kwargs) -
 
 def _log_options(parser: _Parser) -> None:
     _option(parser, "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    _log_format_option(parser)
+
+
+def _log_format_option(parser: _Parser) -> None:
+    """Every command's, bench's and usage's too (they log warnings only)."""
+    _option(
+        parser,
+        "--log-format",
+        choices=["json", "console"],
+        default=None,
+        help="log lines as JSON objects, or as structlog's console lines for people; default: console where stderr "
+        "is a terminal, else json",
+    )
 
 
 def _topic_options(parser: _Parser) -> None:
@@ -496,6 +509,7 @@ def build_parser() -> _Parser:
     _option(usage, "--since", default="", help="requests that ended at or after this ISO 8601 time (UTC if bare)")
     _option(usage, "--until", default="", help="requests that ended before this ISO 8601 time (UTC if bare)")
     _option(usage, "--json", action="store_true", default=False, help="one JSON object instead of a table")
+    _log_format_option(usage)
     bench = commands.add_parser(
         "bench",
         help="benchmarks: `tokenrelay bench "
@@ -507,6 +521,7 @@ def build_parser() -> _Parser:
         choices=["engine", "serve", "chaos", "rolling", "scale", "priority", "tenants", "profile", "kernels", "shard"],
     )
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    _log_format_option(bench)  # before the benchmark's name: what follows it is the benchmark's
     for sub in (serve, gateway, worker, simulate):
         _log_options(sub)
     for sub in (gateway, worker, simulate):  # serve's topics are its own process's

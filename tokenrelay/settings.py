@@ -50,6 +50,7 @@ class Settings:
     engine: EngineConfig | None = None
     workers: int = 1  # simulated workers in this process
     metrics_address: str = ""  # worker, simulate: HOST:PORT of GET /metrics; empty: none
+    log_format: str | None = None  # json or console; None: console where stderr is a terminal, else json
 
     def engine_process(self) -> Settings:
         """What serve's engine process needs: its worker's part, and no gateway secrets."""
@@ -63,6 +64,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     return Settings(
         command=args.command,
         log_level=args.log_level,
+        log_format=args.log_format,
         drain_timeout_s=args.drain_timeout,
         bus=_kafka(args) if args.command != "serve" else InProcessSettings(args.max_message_bytes),
         server=_server(args) if serving else None,
