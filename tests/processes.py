@@ -6,11 +6,14 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenrelay.topology import REPO, free_port
@@ -99,6 +102,31 @@ def serving(log_dir: Path, *args: str, model: str = "tokenrelay-tiny", env: dict
     finally:
         assert process.stop() == 0, process.log_tail()
         assert process.raw_lines() == [], process.log_tail()  # a clean stop: no traceback, no warning
+
+
+@contextlib.contextmanager
+def serving_https(
+    log_dir: Path, args: list[str], context: ssl.SSLContext, headers: dict, model: str = "tokenrelay-tiny"
+):
+    """`tokenrelay serve ARGS` (its TLS among them) on a free port, ready for `model` as a client of `context`
+    sees it, stopped on exit."""
+    port = free_port()
+    process = spawn_tokenrelay(["serve", "--port", str(port), *args], log_dir / f"serve-{port}.log")
+    served = Served(process, f"https://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.popen.poll() is None and time.monotonic() < deadline, process.log_tail()
+            try:
+                ready = httpx.get(served.url(f"/v2/models/{model}/ready"), verify=context, headers=headers, timeout=2)
+                if ready.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        yield served
+    finally:
+        assert process.stop() == 0, process.log_tail()
 
 
 @contextlib.contextmanager

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import ssl
-import time
 
 import httpx
 import openai
@@ -14,7 +12,7 @@ import trustme
 import websockets
 from websockets.exceptions import InvalidStatus
 
-from tests.processes import free_port, spawn_tokenrelay
+from tests.processes import serving_https
 
 MODEL = "tokenrelay-tiny"
 BODY = {"text_input": "The following example", "parameters": {"max_new_tokens": 3}}
@@ -38,33 +36,13 @@ class _Tls:
         return ["--tls-cert", str(self.cert), "--tls-key", str(self.key), *(["--tls-ca", str(self.ca)] * mutual)]
 
 
-@contextlib.contextmanager
-def _serving_https(tmp_path, args: list[str], context: ssl.SSLContext, headers: dict):
-    port = free_port()
-    process = spawn_tokenrelay(["serve", "--port", str(port), *args], tmp_path / f"serve-{port}.log")
-    base = f"https://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.popen.poll() is None and time.monotonic() < deadline, process.log_tail()
-            try:
-                ready = httpx.get(f"{base}/v2/models/{MODEL}/ready", verify=context, headers=headers, timeout=2)
-                if ready.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        yield base
-    finally:
-        assert process.stop() == 0, process.log_tail()
-
-
 async def test_https_with_api_keys_refuses_requests_and_websockets_without_a_key(tmp_path):
     tls = _Tls(tmp_path)
     keys_file = tmp_path / "keys"
     keys_file.write_text("# one key per line\nkey-from-file\n")
     keys = ["--api-keys", "key-from-flag", "--api-keys-file", str(keys_file)]
-    with _serving_https(tmp_path, [*tls.args(mutual=False), *keys], tls.trusting, {}) as base:
+    with serving_https(tmp_path, [*tls.args(mutual=False), *keys], tls.trusting, {}) as served:
+        base = served.base_url
         generate = f"{base}/v2/models/{MODEL}/generate"
         missing = httpx.post(generate, json=BODY, verify=tls.trusting, timeout=30)
         assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
@@ -103,7 +81,8 @@ async def test_https_with_api_keys_refuses_requests_and_websockets_without_a_key
 
 def test_mutual_tls_serves_clients_with_a_certificate_of_its_ca_and_no_others(tmp_path):
     tls = _Tls(tmp_path)
-    with _serving_https(tmp_path, tls.args(mutual=True), tls.with_client_cert, {}) as base:
+    with serving_https(tmp_path, tls.args(mutual=True), tls.with_client_cert, {}) as served:
+        base = served.base_url
         answer = httpx.post(f"{base}/v2/models/{MODEL}/generate", json=BODY, verify=tls.with_client_cert, timeout=60)
         assert answer.status_code == 200 and answer.json()["text_output"]
         with pytest.raises((httpx.ReadError, httpx.ConnectError, httpx.RemoteProtocolError)):
