@@ -190,3 +190,25 @@ def test_settings_that_cannot_be_had_are_refused_before_anything_starts(argv, re
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:7"])
 def test_the_devices_that_run_are_taken_as_given(device):
     assert settings_from(["serve", "--device", device], {}).model.device == device
+
+
+@pytest.mark.parametrize(
+    ("argv", "refusal"),
+    [
+        (["serve", "--port", "70000"], "--port: 70000 is not in [0, 65535]"),
+        (["gateway", *KAFKA, "--max-in-flight", "0"], "--max-in-flight: 0 is below 1"),
+        (["serve", "--max-request-length", "0"], "--max-request-length: 0 is below 1"),
+        (["serve", "--kv-cache-memory", "-1"], "--kv-cache-memory: -1.0 is below 0"),
+        (["worker", *KAFKA, "--max-batch-size", "-1"], "--max-batch-size: -1 is below 0"),
+        (["serve", "--max-seq-len", "0"], "--max-seq-len: 0 is below 1"),
+        (["serve", "--max-input-len", "0"], "--max-input-len: 0 is below 1"),
+        (["simulate", *KAFKA, "--max-iter-times", "0"], "--max-iter-times: 0 is below 1"),
+        (["serve", "--max-tokens-per-step", "-1"], "--max-tokens-per-step: -1 is below 0"),
+        (["serve", "--block-size", "0"], "--block-size: 0 is below 1"),
+        (["serve", "--tensor-parallel-size", "65"], "--tensor-parallel-size: 65 is not in [1, 64]"),
+    ],
+)
+def test_a_size_or_count_out_of_its_range_is_refused_naming_the_range(argv, refusal, capsys):
+    with pytest.raises(SystemExit) as refused:
+        settings_from(argv, {})
+    assert refused.value.code == 2 and f"argument {refusal}" in capsys.readouterr().err

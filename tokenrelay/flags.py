@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from workers.bundled import (
     BUNDLED_DRAFT_MODEL,
@@ -121,7 +121,7 @@ def _topic_options(parser: _Parser) -> None:
 
 def _gateway_options(parser: _Parser) -> None:
     _option(parser, "--host", default="127.0.0.1", help="address to listen on")
-    _option(parser, "--port", type=int, default=1025, help="port to listen on (MindIE's is 1025)")
+    _option(parser, "--port", type=_number(int, 0, 65535), default=1025, help="port to listen on (MindIE's is 1025)")
     _option(parser, "--gateway-id", default="", help="this gateway's id, which names its reply topic; empty: random")
     _option(parser, "--default-model", default="", help="the model of /infer_token and /infer; empty: the only one")
     _option(
@@ -134,14 +134,14 @@ def _gateway_options(parser: _Parser) -> None:
     _option(
         parser,
         "--max-request-length",
-        type=int,
+        type=_at_least_one,
         default=40,
         help="largest request body in MB; larger ones get 413 (maxRequestLength)",
     )
     _option(
         parser,
         "--max-in-flight",
-        type=int,
+        type=_at_least_one,
         default=4096,
         help="requests this gateway waits for at once; beyond that, 429 with Retry-After",
     )
@@ -202,18 +202,24 @@ def _gateway_options(parser: _Parser) -> None:
     )
 
 
-def _parallel_size(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"{value} is not in [1, 64]")
-    return value
+def _number(kind: type[int] | type[float], low: float, high: float | None = None) -> Callable[[str], float]:
+    """A flag's type: a number of `kind` from `low` (to `high`), refused outside that range, which the refusal
+    names. Named as `kind` is, so that argparse calls what is no number an "invalid int value"."""
+
+    def number(text: str) -> float:
+        value = kind(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"{value} is below {low}" if high is None else f"{value} is not in [{low}, {high}]"
+            )
+        return value
+
+    number.__name__ = kind.__name__
+    return number
 
 
-def _at_least_zero(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is below 0")
-    return value
+_parallel_size = _number(int, 1, 64)
+_at_least_zero, _at_least_one = _number(int, 0), _number(int, 1)
 
 
 def _fraction(text: str) -> float:
@@ -267,7 +273,7 @@ def _model_options(parser: _Parser) -> None:
     _option(
         parser,
         "--kv-cache-memory",
-        type=float,
+        type=_number(float, 0),
         default=0.0,
         help="GiB for the KV cache; 0: 1 GiB on the CPU, --gpu-memory-fraction on a GPU",
     )
@@ -352,22 +358,24 @@ def _engine_options(parser: _Parser) -> None:
     _option(
         parser,
         "--max-batch-size",
-        type=int,
+        type=_at_least_zero,
         default=0,
         help="sequences that run at once (maxBatchSize); 0: 64 on the CPU, 256 on a GPU",
     )
-    _option(parser, "--max-seq-len", type=int, default=2560, help="prompt + generated tokens (maxSeqLen)")
-    _option(parser, "--max-input-len", type=int, default=2048, help="prompt tokens (maxInputTokenLen)")
-    _option(parser, "--max-iter-times", type=int, default=512, help="generated tokens per request (maxIterTimes)")
+    _option(parser, "--max-seq-len", type=_at_least_one, default=2560, help="prompt + generated tokens (maxSeqLen)")
+    _option(parser, "--max-input-len", type=_at_least_one, default=2048, help="prompt tokens (maxInputTokenLen)")
+    _option(
+        parser, "--max-iter-times", type=_at_least_one, default=512, help="generated tokens per request (maxIterTimes)"
+    )
     _option(
         parser,
         "--max-tokens-per-step",
-        type=int,
+        type=_at_least_zero,
         default=0,
         help="tokens one engine step computes: a token per decoding sequence, the rest on prompt chunks; "
         "0: 1024 on the CPU, 2048 on a GPU",
     )
-    _option(parser, "--block-size", type=int, default=32, help="tokens per KV cache block")
+    _option(parser, "--block-size", type=_at_least_one, default=32, help="tokens per KV cache block")
     _option(
         parser,
         "--priority-aging",
