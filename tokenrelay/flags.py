@@ -140,6 +140,14 @@ def _gateway_options(parser: _Parser) -> None:
     )
     _option(
         parser,
+        "--request-timeout",
+        type=_at_least_one,
+        default=600,
+        help="seconds from a request's arrival to its last token, for a request that sets no timeout of its own; "
+        "then it ends (e2eTimeout)",
+    )
+    _option(
+        parser,
         "--max-in-flight",
         type=_at_least_one,
         default=4096,

@@ -126,6 +126,7 @@ def _gateway(args: argparse.Namespace) -> GatewaySettings:
         gateway_id=args.gateway_id,
         default_model=args.default_model,
         full_text=args.full_text_enabled,
+        default_timeout_s=args.request_timeout,
         max_in_flight=args.max_in_flight,
         max_waiting_requests=args.max_waiting_requests,
         route=not args.no_router,
