@@ -449,6 +449,14 @@ class GatewayService:
         finally:
             del self._stop_answers[question.question_id]
 
+    async def stop_traced(self, trace_id: str) -> bool:
+        """Stop, as stopInfer does, the requests opened under this request id (a WebSocket stream's `<socket's
+        id>/<stream id>`, whatever the API): their streams end with finish reason stop_sequence. False if none is
+        open yet."""
+        stopped = [inflight for inflight in self.inflight if inflight.request.trace_id == trace_id]
+        await self._stop(stopped)
+        return bool(stopped)
+
     async def _stop_for_another(self, question: StopClientRequest) -> None:
         """Another gateway was asked to stop a request of a client id: stop ours, and tell it so."""
         stopped = self.inflight.find(question.model, question.client_id)

@@ -7,7 +7,9 @@ Client to server, one JSON object per text message:
   /infer and /infer_token body), `tgi` (TGI's /generate_stream body),
   `completions` and `chat.completions` (OpenAI's bodies; `stream` need not be
   set): start that API's stream.
-- `{"op": "cancel", "id": ...}`: stop that stream (its worker stops within a step).
+- `{"op": "cancel", "id": ...}`: stop that stream as stopInfer does (its worker stops
+  within a step): it ends with its API's last event, finish reason and all
+  (stop_sequence; OpenAI's stop), then `done`.
 
 Server to client:
 - `{"id": ..., "data": {...}}`: one event, the object that API's SSE stream

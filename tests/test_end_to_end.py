@@ -164,7 +164,8 @@ def test_priority_reaches_the_worker(deployment):
 
 
 def _ws_streams() -> dict[str, dict]:
-    """Ten streams for one socket: every streaming API twice (greedy, 12 tokens), and one to cancel."""
+    """Eleven streams for one socket: every streaming API twice (greedy, 12 tokens), one to cancel once it has
+    streamed, and one cancelled as soon as it is sent (before its request is in flight, as a rule)."""
     greedy = {"max_new_tokens": 12}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 12, "temperature": 0}
     triton = {"op": "generate_stream", "model": MODEL, "text_input": LONG_PROMPT}
@@ -178,7 +179,8 @@ def _ws_streams() -> dict[str, dict]:
             "body": {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0},
         }
     streams["chat"] = {"op": "chat.completions", "body": chat}
-    streams["stop"] = {**triton, "parameters": {"max_new_tokens": 400}}
+    streams["stop"] = {**triton, "parameters": {"max_new_tokens": 400, "details": True}}
+    streams["early"] = {**triton, "parameters": {"max_new_tokens": 400, "details": True}}
     return streams
 
 
@@ -205,6 +207,7 @@ def test_websocket_runs_every_streaming_api_side_by_side_and_cancels_one(deploym
         async with websockets.connect(deployment.ws_url) as socket:
             for stream_id, message in streams.items():
                 await socket.send(json.dumps({**message, "id": stream_id}))
+            await socket.send(json.dumps({"op": "cancel", "id": "early"}))
             while done != set(streams):
                 message = json.loads(await asyncio.wait_for(socket.recv(), 60))
                 if message.get("done"):
@@ -218,12 +221,16 @@ def test_websocket_runs_every_streaming_api_side_by_side_and_cancels_one(deploym
     cancelled_before = len(_finished(deployment.worker, "stop_sequence"))
     received = asyncio.run(scenario())
     expected = greedy_text(LONG_PROMPT, 12)
-    for stream_id in streams.keys() - {"chat", "stop"}:
+    for stream_id in streams.keys() - {"chat", "stop", "early"}:
         assert _ws_text(stream_id, received[stream_id]) == expected, stream_id
     assert received["chat"][0]["choices"][0]["delta"]["role"] == "assistant"
     assert received["chat"][-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert _ws_text("chat", received["chat"])
     assert 3 <= len(received["stop"]) < 400
+    # Ended as stopInfer ends a stream: its last event carries the finish reason, whenever the cancel came.
+    for cancelled in ("stop", "early"):
+        assert received[cancelled][-1]["details"]["finish_reason"] == "stop_sequence", received[cancelled][-1]
+        assert received[cancelled][-1]["details"]["generated_tokens"] < 400
     _wait_for(lambda: len(_finished(deployment.worker, "stop_sequence")) > cancelled_before)
 
 

@@ -40,6 +40,8 @@ class _Socket:
         self.client = client_of(websocket.scope)
         self._send_lock = asyncio.Lock()
         self.streams: dict[str, asyncio.Task] = {}
+        self.cancelled: set[str] = set()  # streams the client cancelled
+        self.stop_pending: set[str] = set()  # of those, the ones cancelled before their request was in flight
         self.started = 0  # streams started, for the connection's log line
         self.closed = False
 
@@ -67,9 +69,7 @@ class _Socket:
             await self.fail(stream_id, refused, ends=stream_id not in self.streams)  # a stream under it goes on
             return
         if isinstance(message, WsCancel):
-            task = self.streams.get(message.id)
-            if task is not None:
-                task.cancel()
+            await self.cancel(message.id)
             return
         stream_id = message.id or uuid.uuid4().hex
         if stream_id in self.streams:  # said under that id, but it is not done: the stream running under it goes on
@@ -78,6 +78,15 @@ class _Socket:
             return
         self.started += 1
         self.streams[stream_id] = asyncio.create_task(self._stream(stream_id, message))
+
+    async def cancel(self, stream_id: str) -> None:
+        """Stop the stream's requests as stopInfer does: the stream ends with its API's last event, finish reason and
+        all. A stream whose request is not in flight yet (still read, or submitted) is stopped once it is."""
+        if stream_id not in self.streams or stream_id in self.cancelled:
+            return
+        self.cancelled.add(stream_id)
+        if not await self._websocket.app.state.gateway.stop_traced(f"{self.request_id}/{stream_id}"):
+            self.stop_pending.add(stream_id)
 
     async def _objects(self, stream_id: str, message: WsStart):
         """The stream's objects, from the route module of its API."""
@@ -101,22 +110,27 @@ class _Socket:
         outcome, status, events = "done", None, 0
         try:
             objects = await self._objects(stream_id, message)
+            if stream_id in self.stop_pending:  # cancelled while its request was not in flight yet: it is now
+                await self._websocket.app.state.gateway.stop_traced(request_id)
             async with aclosing(objects):  # closing it tells the worker to stop, if it has not ended
                 async for obj in objects:
                     await self.send({"id": stream_id, "data": obj})
                     events += 1
             await self.send({"id": stream_id, "done": True})
+            outcome = "cancelled" if stream_id in self.cancelled else outcome
         except ApiError as error:
             outcome, status = "error", error.status
             await self.fail(stream_id, error, openai_shape=isinstance(message, WsCompletions | WsChatCompletions))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the socket closed, or its handler failed
             outcome = "socket_closed" if self.closed else "cancelled"
-            if not self.closed:  # cancelled by the client's message, not by the socket closing
+            if not self.closed:  # the client is still there: the stream is done
                 await self.send({"id": stream_id, "done": True})
         except WebSocketDisconnect:
             outcome = "socket_closed"  # the stream's cleanup told the worker to stop
         finally:
             self.streams.pop(stream_id, None)
+            self.cancelled.discard(stream_id)
+            self.stop_pending.discard(stream_id)
             getattr(access, level_of(status or 200))(
                 "websocket_stream",
                 op=message.op,
