@@ -40,6 +40,7 @@ SAMPLES = {
     "--lora": [f"shout={BUNDLED_ADAPTERS['shout']}", f"code={BUNDLED_ADAPTERS['code']}"],
     "--tenants-file": [str(Path(__file__).parents[1] / "deploy" / "tenants.example.toml")],
     "--speculative-model": [str(BUNDLED_DRAFT_MODEL)],
+    "--mindie-config": [str(Path(__file__).parent / "data" / "mindie_config.json")],  # MindIE's example
 }
 SIMULATE = {"worker": "bundled-cpu", "simulate": "llama-1.1b-h200"}  # a profile other than the default
 TLS = {"--tls-cert": "cert.pem", "--tls-key": "key.pem", "--tls-ca": "ca.pem"}  # they go together

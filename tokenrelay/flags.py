@@ -7,7 +7,9 @@ Every flag can also come from the environment: `--served-model-name` is
 `TOKENRELAY_SERVED_MODEL_NAME` (lists separated by commas, a switch as 1,
 true, yes or on). An environment value is read as if its flag came first on
 the command line, so it is checked exactly as the flag is (its type, its
-choices, its range) and a flag given on the command line wins.
+choices, its range) and a flag given on the command line wins. Beneath
+both lies a MindIE config.json (--mindie-config), whose keys are read as the
+flags they mean (tokenrelay/mindie_config.py), so either of those wins over it.
 
 Only the parser is built here: what each command runs (tokenrelay/launch.py
 and the modules it imports: uvicorn, FastAPI, aiokafka, torch) is imported
@@ -565,15 +567,40 @@ def build_parser() -> _Parser:
             help="seconds a SIGTERM/SIGINT leaves running requests to end (new ones are refused, or go to other "
             "workers) before the process hands them over and exits; a second signal stops at once",
         )
+    for sub in (serve, gateway, worker):
+        _option(
+            sub,
+            "--mindie-config",
+            default="",
+            help="MindIE Service's config.json, each key read as the flag it means (the README's table); "
+            "flags given beside it win",
+        )
     return parser
 
 
+def _commands(parser: argparse.ArgumentParser) -> dict[str, _Parser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def command_flags(command: str) -> dict[str, argparse.Action]:
+    """The flags of `tokenrelay <command>`, each with its action (its type, its destination)."""
+    return {flag: action for action in _commands(build_parser())[command]._actions for flag in action.option_strings}
+
+
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
-    """`argv` (default: this process's arguments) with the flags `environ` (default: this process's) sets."""
+    """`argv` (default: this process's arguments) with the flags `environ` (default: this process's) sets; the
+    arguments parsed, the environment's among them, are kept as `arguments`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    commands = _commands(parser)
     help_asked = "-h" in argv or "--help" in argv  # help, even when a variable holds a wrong value
     if argv and argv[0] in commands and not help_asked:
         argv[1:1] = commands[argv[0]].environment_arguments(os.environ if environ is None else environ)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.arguments = argv
+    return args
+
+
+def parse_beneath(args: argparse.Namespace, arguments: Sequence[str]) -> argparse.Namespace:
+    """`args` parsed again with `arguments` (a file's flags) before all those that gave it, which win."""
+    return parse_args([args.command, *arguments, *args.arguments[1:]], environ={})

@@ -5,7 +5,8 @@ configuration. Every flag a command takes (tokenrelay/flags.py) lands in one
 field here, so a flag that a command accepts always does something there
 (tests/test_settings.py walks them all). The settings are plain dataclasses
 of light modules: `serve` hands its engine process the worker's part of them,
-pickled, instead of argv to parse again.
+pickled, instead of argv to parse again. A MindIE config.json given with
+--mindie-config is read first, as the flags its keys mean, beneath those given.
 
 What cannot be had (a profile that does not exist, a TLS key without its
 certificate, a metrics address without a port) raises CannotStart: one line,
@@ -29,6 +30,7 @@ from gateway.settings import GatewaySettings, MediaPolicy, ServerSettings
 from gateway.tenants import TenantsFileError, read_tenants_file
 from tokenrelay.flags import parse_args
 from tokenrelay.lifecycle import CannotStart
+from tokenrelay.mindie_config import with_mindie_config
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME
 from workers.engine.config import EngineConfig
 from workers.settings import ModelSettings, WorkerSettings
@@ -59,6 +61,8 @@ class Settings:
 
 def settings_of(args: argparse.Namespace) -> Settings:
     """The settings of the command `args` (from parse_args) describes: serve, gateway, worker or simulate."""
+    if getattr(args, "mindie_config", ""):
+        args = with_mindie_config(args)
     serving = args.command in ("serve", "gateway")
     working = args.command in ("serve", "worker", "simulate")
     return Settings(
