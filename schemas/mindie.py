@@ -6,9 +6,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
-from schemas.multimodal import MultimodalInput
 from schemas.parameters import STRICT, InferTokenParameters
-from schemas.triton import MAX_PROMPT_TOKENS
+from schemas.triton import MAX_PROMPT_TOKENS, TextInput
 
 TokenId = Annotated[int, Field(ge=0, le=1024 * 1024)]
 
@@ -19,7 +18,7 @@ class InferTokenRequest(BaseModel):
     model_config = STRICT
 
     input_id: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKENS)
-    inputs: Annotated[str, Field(min_length=1, max_length=4 * 1024 * 1024)] | MultimodalInput | None = None
+    inputs: TextInput | None = None
     stream: bool | None = Field(None, description="Server-sent events instead of one answer; default false.")
     parameters: InferTokenParameters = InferTokenParameters()
 

@@ -1,13 +1,15 @@
-"""Multimodal input: `text_input` (generate_stream) or `inputs` (/infer) given as a list.
+"""Multimodal input: `text_input` (generate, generate_stream) or `inputs` (/infer) given as a list.
 
 Items are `{"type": "text", "text": ...}` or `{"type": "image_url" | "video_url" |
 "audio_url", "<type>": "<data: URI, path under the media directory, or http(s) URL>"}`.
-`type` may be left out when the item's one content key says it.
+`type` may be left out when the item's one content key says it. Whether the
+field is a text or a list is told from its value (a callable discriminator),
+so that a wrong value's error is that form's alone, not both forms' at once.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
@@ -61,6 +63,23 @@ MultimodalItem = Annotated[
     Discriminator(_kind),
 ]
 MultimodalInput = Annotated[list[MultimodalItem], Field(min_length=1, max_length=MAX_ITEMS)]
+
+
+def _text_or_items(value: Any) -> str | None:
+    return "string" if isinstance(value, str) else "list" if isinstance(value, list) else None
+
+
+def text_or_items(max_characters: int) -> Any:
+    """A prompt given as a text of 1 to `max_characters` characters, or as a multimodal list."""
+    return Annotated[
+        Annotated[str, Field(min_length=1, max_length=max_characters), Tag("string")]
+        | Annotated[MultimodalInput, Tag("list")],
+        Discriminator(
+            _text_or_items,
+            custom_error_type="text_or_items",
+            custom_error_message="Input should be a text or a list of text and media items",
+        ),
+    ]
 
 
 def media_reference(item: MediaItem) -> str:

@@ -55,6 +55,12 @@ def _walk(root: Any, location: Location) -> tuple[list[type[BaseModel]], list[in
         if isinstance(part, int):  # an item of a list, whose models the list's field gave already
             named.append(index)
             continue
+        tagged = [model for model in models if part in _tags(model)]
+        if index > 0 and isinstance(location[index - 1], int) and (part in tags or (len(models) > 1 and tagged)):
+            # The member an item of a list of a tagged union is, which pydantic names before the item's fields
+            # (and which may be the name of one of them: "text").
+            models = tags.get(part, tagged)
+            continue
         holders = [model for model in models if part in _fields(model)]
         if holders:
             named.append(index)
@@ -65,7 +71,6 @@ def _walk(root: Any, location: Location) -> tuple[list[type[BaseModel]], list[in
         if part in tags:  # a callable discriminator's tag (its members may be no models: a list's form)
             models = tags[part]
             continue
-        tagged = [model for model in models if part in _tags(model)]
         if not tagged:  # no tag: a field none of them has
             named.append(index)
         models = tagged

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from schemas.multimodal import MultimodalInput
+from schemas.multimodal import text_or_items
 from schemas.parameters import (
     STRICT,
     GenerateParameters,
@@ -27,6 +27,8 @@ REQUEST_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
 MAX_PROMPT_TOKENS = 1024 * 1024  # the contract's cap, whatever the model allows
 UINT32_MAX = 2**32 - 1
 
+TextInput = text_or_items(4 * 1024 * 1024)
+GenerateTextInput = text_or_items(512 * 1024)  # the generate page's limit
 RequestId = Annotated[str | None, Field(pattern=REQUEST_ID_PATTERN, description="Absent: the server makes one up.")]
 
 
@@ -37,7 +39,7 @@ class GenerateRequest(BaseModel):
 
     id: RequestId = None
     # A multimodal list as generate_stream takes it (beyond MindIE's page for this route: images need it).
-    text_input: Annotated[str, Field(min_length=1, max_length=512 * 1024)] | MultimodalInput
+    text_input: GenerateTextInput
     parameters: GenerateParameters = GenerateParameters()
 
 
@@ -47,7 +49,7 @@ class GenerateStreamRequest(BaseModel):
     model_config = STRICT
 
     id: RequestId = None
-    text_input: Annotated[str, Field(min_length=1, max_length=4 * 1024 * 1024)] | MultimodalInput
+    text_input: TextInput
     parameters: GenerateStreamParameters = GenerateStreamParameters()
 
 

@@ -127,6 +127,35 @@ def test_other_fields_are_checked_too(server, route, body, field):
     assert refused.status_code == 422 and field in refused.json()["error"], refused.text
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "error"),
+    [
+        ("generate", {"text_input": ""}, "text_input: String should have at least 1 character; received ''"),
+        ("generate_stream", {"text_input": ""}, "text_input: String should have at least 1 character; received ''"),
+        ("infer", {"inputs": ""}, "inputs: String should have at least 1 character; received ''"),
+        (
+            "generate",
+            {"text_input": "x" * (512 * 1024 + 1)},
+            "text_input: String should have at most 524288 characters; received a string of 524289 characters",
+        ),
+        (
+            "generate_stream",
+            {"text_input": 5},
+            "text_input: Input should be a text or a list of text and media items; received 5",
+        ),
+        (
+            "generate_stream",
+            {"text_input": [{"text": ""}]},
+            "text_input.0.text: String should have at least 1 character",
+        ),
+    ],
+)
+def test_a_bad_prompt_is_one_message_naming_the_field_and_the_rule(server, route, body, error):
+    refused = _post(server, route, body)
+    assert refused.status_code == 422 and refused.json()["error"].startswith(error), refused.text
+    assert "constrained-str" not in refused.text and "tagged-union" not in refused.text
+
+
 @pytest.mark.parametrize("route", ["generate", "infer", "generate_stream"])
 def test_the_grammar_extension_shapes_the_text_on_mindies_routes_too(server, route):
     grammar = {"type": "regex", "value": "(yes|no)"}
