@@ -2,29 +2,38 @@
 
 A JSON schema (OpenAI's response_format, TGI's `grammar` of type json), any
 JSON object (json_object), or a regex (TGI's type regex) becomes an
-llguidance grammar. JSON is compact (no free whitespace between tokens), so
-that a sampled answer cannot wander off into blank lines. llguidance checks
-a grammar without a tokenizer; what it cannot serve (a schema keyword it
-does not implement, a broken regex) is refused here, naming the field and
-the reason, rather than served unconstrained.
+llguidance grammar. A schema is read strictly, as xgrammar reads it: no key
+or item it does not name (gateway/strict_schemas.py). JSON is compact (no
+free whitespace between tokens), so that a sampled answer cannot wander off
+into blank lines. llguidance checks a grammar without a tokenizer; what it
+cannot serve (a schema keyword it does not implement, a broken regex) is
+refused here, naming the field and the reason, rather than served
+unconstrained.
 """
 
 from __future__ import annotations
 
+import json
+
 from llguidance import LLMatcher
 
 from gateway.errors import unprocessable
+from gateway.strict_schemas import strict_schema
 from schemas.parameters import Grammar
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def json_schema_grammar(schema: dict | str, field: str) -> str:
-    """The grammar of JSON texts that validate against `schema`; 422 naming `field` if it cannot be served."""
+    """The grammar of JSON texts that validate against `schema` read strictly; 422 naming `field` if it cannot be
+    served."""
     try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
+        grammar = LLMatcher.grammar_from_json_schema(strict_schema(parsed), overrides=_JSON_OPTIONS)
     except (ValueError, TypeError) as error:
         raise unprocessable(f"{field}: not a JSON schema: {error}") from None
+    except RecursionError:
+        raise unprocessable(f"{field}: this server cannot constrain output to it: it is nested too deeply") from None
     return _checked(grammar, field)
 
 
