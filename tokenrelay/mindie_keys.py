@@ -60,7 +60,9 @@ _MULTI_NODE = "multi-node inference's links: not served (multiNodesInferEnabled)
 _NO_PD_STEPS = (
     "no choice of a prefill or a decode step: each step does both, the queue in priority and fair-share order"
 )
-_LOGS = "logs are JSON lines on stdout at --log-level; rotate and keep them where they are collected"
+_LOGS = (
+    "logs go to stdout, a line per event, at --log-level (--log-format); rotate and keep them where they are collected"
+)
 
 KEYS: tuple[Key, ...] = (
     Key("Version", "the file's format: 1.0.0, the one read"),
