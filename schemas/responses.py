@@ -470,6 +470,7 @@ class FunctionCallArgumentsDelta(_CallEvent):
 
 class FunctionCallArgumentsDone(_CallEvent):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    name: str
     arguments: str
 
 

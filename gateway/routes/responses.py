@@ -232,11 +232,8 @@ class _StreamedResponse:
                 events.append(self._event(OutputTextDone, **self._where(item), text=part.text))
                 events.append(self._event(ContentPartDone, **self._where(item), part=part))
             else:
-                events.append(
-                    self._event(
-                        FunctionCallArgumentsDone, item_id=item.id, output_index=index, arguments=item.arguments
-                    )
-                )
+                done = {"name": item.name, "arguments": item.arguments}
+                events.append(self._event(FunctionCallArgumentsDone, item_id=item.id, output_index=index, **done))
             events.append(self._event(OutputItemDone, output_index=index, item=item))
         last = ResponseIncomplete if status == "incomplete" else ResponseCompleted
         events.append(self._event(last, response=self._snapshot(status)))
