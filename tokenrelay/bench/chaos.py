@@ -41,6 +41,7 @@ import httpx
 from tqdm import tqdm
 
 from tokenrelay.bench import plots
+from tokenrelay.bench.help import HelpFormatter
 from tokenrelay.topology import free_port, local_broker, spawn, tokenrelay_processes, wait_ready
 
 PROMPTS = ["The following example", "def main():\n", "A context manager is", "The os module provides"]
@@ -267,18 +268,16 @@ async def run_chaos(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="tokenrelay bench chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--gateways", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=3)
+    parser = argparse.ArgumentParser(prog="tokenrelay bench chaos", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--gateways", type=int, default=2, help="gateway processes")
+    parser.add_argument("--workers", type=int, default=3, help="worker processes")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     parser.add_argument("--kill-every", type=float, default=20.0, help="seconds between worker kills")
     parser.add_argument("--concurrency", type=int, default=8, help="streams open at once")
     parser.add_argument("--hang-after", type=float, default=60.0, help="seconds after which a stream counts as hung")
     parser.add_argument("--broken-gap", type=float, default=1.0, help="a pause this long around a kill: broken by it")
     parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the streams' requests")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     parser.add_argument(
         "--plot",

@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from tokenrelay.bench import plots
 from tokenrelay.bench.engine_runs import Request, Result, release, run_engine, timed_result, workload
+from tokenrelay.bench.help import HelpFormatter
 from workers.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 
 # torch, transformers and the engine are imported where they are used, so that `--help` answers at once.
@@ -232,9 +233,7 @@ def _finished(manager, timeout_s: float):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="tokenrelay bench engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="tokenrelay bench engine", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default=str(BUNDLED_MODEL), help="model directory or hub id (default: bundled)")
     shapes = parser.add_mutually_exclusive_group()
     shapes.add_argument(
@@ -245,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="time a randomly initialised Llama of Llama-3-8B's shape, with the bundled 32000-token vocabulary",
     )
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64; default per device")
     parser.add_argument(
         "--model-impl",
@@ -259,9 +258,23 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="also run the native engine split across this many ranks (a --model directory), beside the whole one",
     )
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--prompt-lens", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-lens", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--requests", type=int, default=256, help="requests of the workload, all arriving at once")
+    parser.add_argument(
+        "--prompt-lens",
+        type=int,
+        nargs=2,
+        default=(32, 512),
+        metavar=("MIN", "MAX"),
+        help="prompt tokens, drawn per request",
+    )
+    parser.add_argument(
+        "--output-lens",
+        type=int,
+        nargs=2,
+        default=(16, 256),
+        metavar=("MIN", "MAX"),
+        help="new tokens, drawn per request",
+    )
     parser.add_argument("--one-at-a-time", type=int, default=16, help="requests the one-at-a-time baseline runs")
     parser.add_argument(
         "--continuous-batching",
@@ -280,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         "--max-tokens-per-step", type=int, default=0, help="0: the engine's default (1024 CPU, 2048 GPU)"
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run the engine's decode steps eagerly")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the workload: the same seed, the same requests")
     parser.add_argument(
         "--repeat",
         type=int,

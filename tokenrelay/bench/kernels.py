@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenrelay.bench.help import HelpFormatter
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME
 
 KERNELS = (
@@ -181,7 +182,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="tokenrelay bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="tokenrelay bench kernels", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS), help="default: all")
     parser.add_argument(

@@ -23,6 +23,7 @@ from multiprocessing.synchronize import Event
 
 import httpx
 
+from tokenrelay.bench.help import HelpFormatter
 from tokenrelay.bench.load import load_client, sse
 from tokenrelay.topology import bench_site, free_port, tokenrelay_processes, wait_ready
 
@@ -87,7 +88,7 @@ async def measure(base: str, probes: int, streams: int, settle_s: float) -> dict
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="tokenrelay bench priority", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="tokenrelay bench priority", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument("--simulate", default="", help="a simulation profile instead of the bundled model")
     parser.add_argument("--batch", type=int, default=64, help="the worker's --max-batch-size")

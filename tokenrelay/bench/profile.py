@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenrelay.bench.help import HelpFormatter
 from workers.bundled import BUNDLED_MODEL
 from workers.simulated.profile import Profile, StepCost
 
@@ -71,11 +72,13 @@ def fit(rows: list[tuple[int, int, int, float]]) -> StepCost:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="tokenrelay bench profile", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="tokenrelay bench profile", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--model", default=str(BUNDLED_MODEL), help="model directory; default: the bundled model")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N")
     parser.add_argument("--name", default="bundled-cpu", help="the profile's name")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="timings of each step shape; their median counts")
     parser.add_argument("--out", default="", help="where to write the profile (JSON); empty: stdout only")
     args = parser.parse_args(argv)
 

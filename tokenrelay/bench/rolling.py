@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from tokenrelay.bench.chaos import FAILURES, OUTCOMES, Refused, judge, kinds, received, stream
+from tokenrelay.bench.help import HelpFormatter
 from tokenrelay.topology import free_port, local_broker, spawn, wait_ready
 
 _HURRY_AFTER_S = 0.05  # the second SIGTERM, after the first, of the worker whose drain is cut short
@@ -216,10 +217,10 @@ async def run_rolling(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="tokenrelay bench rolling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="tokenrelay bench rolling", description=__doc__, formatter_class=HelpFormatter
     )
-    parser.add_argument("--gateways", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--gateways", type=int, default=2, help="gateway processes")
+    parser.add_argument("--workers", type=int, default=3, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=8, help="streams open at once")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="every process's --drain-timeout")
     parser.add_argument("--hang-after", type=float, default=60.0, help="seconds after which a stream counts as hung")
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         help="more flags for every worker, one string (e.g. '--simulate bundled-cpu --served-model-name "
         "tokenrelay-tiny': a fleet without weights, the real workers and engines around simulated models)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the streams' requests")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tokenrelay-rolling-") as scratch, ExitStack() as stack:

@@ -51,6 +51,7 @@ import httpx
 
 from bus.topics import routing_topic
 from tokenrelay.bench import plots
+from tokenrelay.bench.help import HelpFormatter
 from tokenrelay.bench.load import Outcome, Request, load_client, one_stream, percentiles, sse
 from tokenrelay.topology import bench_site, free_port, tokenrelay_processes, wait_ready
 from workers.simulated.profile import Profile, StepCost
@@ -387,11 +388,11 @@ def _print_scale(row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="tokenrelay bench scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="tokenrelay bench scale", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16, 32, 64], help="the worker counts, in turn"
     )
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16, 32, 64])
-    parser.add_argument("--gateways", type=int, default=2)
+    parser.add_argument("--gateways", type=int, default=2, help="gateway processes")
     parser.add_argument("--profile", default="bundled-cpu", help="a simulation profile: a name or a JSON file")
     parser.add_argument("--slowdown", type=float, default=60.0, help="multiplies the profile's step times")
     parser.add_argument("--chat-slowdown", type=float, default=10.0, help="the same, for the chat load")
@@ -399,18 +400,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-tokens", type=int, default=12288, help="KV cache of every simulated worker, in tokens")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds measured per worker count")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of load before measuring")
-    parser.add_argument("--prompt-bytes", type=int, default=400)
-    parser.add_argument("--output-lens", type=int, nargs=2, default=(16, 48), metavar=("MIN", "MAX"))
+    parser.add_argument("--prompt-bytes", type=int, default=400, help="of each prompt of the load")
+    parser.add_argument(
+        "--output-lens",
+        type=int,
+        nargs=2,
+        default=(16, 48),
+        metavar=("MIN", "MAX"),
+        help="new tokens, drawn per request",
+    )
     parser.add_argument("--chat-workers", type=int, default=8, help="0: no chat load")
-    parser.add_argument("--conversations", type=int, default=64)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=64, help="of the chat load")
+    parser.add_argument("--turns", type=int, default=6, help="of each conversation")
     parser.add_argument("--system-bytes", type=int, default=600, help="the system prompt every conversation shares")
-    parser.add_argument("--user-bytes", type=int, default=500)
+    parser.add_argument("--user-bytes", type=int, default=500, help="of each user turn")
     parser.add_argument("--adapters", type=int, default=0, help="LoRA adapters of the adapter load; 0: none")
     parser.add_argument("--adapter-workers", type=int, default=8, help="workers of the adapter load")
     parser.add_argument("--max-loras", type=int, default=4, help="device slots of each worker of the adapter load")
     parser.add_argument("--adapter-slowdown", type=float, default=15.0, help="the same, for the adapter load")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the loads' prompts and lengths")
     parser.add_argument("--kafka-bootstrap", default="", help="empty: a local broker from deploy/kafka/")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     parser.add_argument(

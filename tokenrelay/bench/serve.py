@@ -33,6 +33,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tokenrelay.bench import plots
+from tokenrelay.bench.help import HelpFormatter
 from tokenrelay.bench.load import ENDPOINTS, Outcome, Request, load_client, one_stream, summarize
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 from workers.bundled import BUNDLED_MODEL
@@ -144,9 +145,7 @@ def _print_table(name: str, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="tokenrelay bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="tokenrelay bench serve", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--url", help="a running server's base URL, e.g. http://127.0.0.1:1025")
     parser.add_argument(
         "--topology",
@@ -157,13 +156,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kafka-bootstrap", default="", help="for --topology kafka; empty: a local broker")
     parser.add_argument("--worker-args", default="", help="extra flags for the worker (or serve), one string")
     parser.add_argument("--model", default="tokenrelay-tiny", help="the model name to request")
-    parser.add_argument("--endpoint", choices=ENDPOINTS, default="generate_stream")
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument(
+        "--endpoint", choices=ENDPOINTS, default="generate_stream", help="the streaming endpoint loaded"
+    )
+    parser.add_argument("--requests", type=int, default=256, help="requests of the workload")
     parser.add_argument("--concurrency", type=int, default=64, help="streams open at once at most")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    parser.add_argument("--prompt-lens", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-lens", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompt-lens",
+        type=int,
+        nargs=2,
+        default=(32, 512),
+        metavar=("MIN", "MAX"),
+        help="prompt tokens, drawn per request",
+    )
+    parser.add_argument(
+        "--output-lens",
+        type=int,
+        nargs=2,
+        default=(16, 256),
+        metavar=("MIN", "MAX"),
+        help="new tokens, drawn per request",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="of the workload and the arrivals: the same seed, the same load"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="with --topology: each sends the workload once, in turn")
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     parser.add_argument(

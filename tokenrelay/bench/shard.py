@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tokenrelay.bench.help import HelpFormatter
 from workers.bundled import BUNDLED_MODEL
 
 LLAMA3_70B = dict(  # meta-llama/Meta-Llama-3-70B's config.json
@@ -153,11 +154,9 @@ def per_rank(config: dict, size: int, context_tokens: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="tokenrelay bench shard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="tokenrelay bench shard", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--layers", type=int, default=4, help="of Llama-3-70B's 80 (4: about 11 GiB of weights)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--tensor-parallel-size", type=int, default=2, help="ranks the model is split across")
     parser.add_argument("--shard-gib", type=float, default=2.0, help="largest safetensors file of the checkpoint")
     parser.add_argument("--tokens", type=int, default=8, help="greedy tokens generated")
     parser.add_argument(

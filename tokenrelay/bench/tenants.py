@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from tokenrelay.bench.help import HelpFormatter
 from tokenrelay.bench.load import Outcome, Request, one_stream, percentiles
 from tokenrelay.topology import bench_site, free_port, tokenrelay_processes, wait_ready
 
@@ -107,7 +108,7 @@ async def measure(fair: str, plain: str, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="tokenrelay bench tenants", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="tokenrelay bench tenants", description=__doc__, formatter_class=HelpFormatter
     )
     parser.add_argument("--simulate", default="bundled-cpu", help="a simulation profile; empty: the bundled model")
     parser.add_argument("--batch", type=int, default=8, help="the worker's --max-batch-size")
