@@ -3,10 +3,11 @@
 Each route accepts exactly the parameters its source document lists
 (../shared/spec/API.md: "ignores none silently"), or a sibling route's
 document lists, so each has a class that names them; the ranges are the
-contract's. Two extensions on every route: `grammar` (structured output, in
-TGI's shape), which no MindIE document has a place for, and `speculative`
-(false: a speculating worker proposes no tokens for the request). `null` means "not
-given".
+contract's. Three extensions on every route: `ignore_eos` (generate
+max_new_tokens whatever the model says, as AISBench asks in its benchmarks),
+`grammar` (structured output, in TGI's shape), which no MindIE document has
+a place for, and `speculative` (false: a speculating worker proposes no
+tokens for the request). `null` means "not given".
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ TopP = Annotated[float | None, Field(gt=1e-6, le=1.0, description="Default 1.0."
 TopPBelowOne = Annotated[float | None, Field(gt=1e-6, lt=1.0, description="Absent: off; 1.0 may not be set.")]
 TypicalP = Annotated[float | None, Field(gt=0.0, le=1.0, description="Absent: off.")]
 Watermark = Annotated[bool | None, Field(description="Accepted; watermarking is not implemented.")]
+IgnoreEos = Annotated[
+    bool | None,
+    Field(description="Generate max_new_tokens whatever the model says: finish reason length; default false."),
+]
 BatchSize = Annotated[int | None, Field(gt=0, le=INT32_MAX, description="Informational.")]
 PerfStat = Annotated[bool | None, Field(description="Accepted for compatibility.")]
 Priority = Annotated[int | None, Field(ge=1, le=5, description="1 is the most urgent; default 5.")]
@@ -111,6 +116,7 @@ class RouteParameters(BaseModel):
             max_new_tokens=or_default("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
             stop=or_default("stop", []),
             speculative=or_default("speculative", True),
+            ignore_eos=or_default("ignore_eos", False),
         )
 
     @property
@@ -123,6 +129,7 @@ class _Everywhere(RouteParameters):
 
     details: Details = None
     do_sample: DoSample = None
+    ignore_eos: IgnoreEos = None
     max_new_tokens: MaxNewTokens = None
     repetition_penalty: RepetitionPenalty = None
     seed: Seed = None

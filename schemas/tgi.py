@@ -1,8 +1,9 @@
 """TGI-compatible bodies: POST /generate and POST /generate_stream, as MindIE serves them (TGI 0.9.4).
 
-Parameters and ranges are TGI's (see ../shared/spec/API.md); unknown fields
-are refused, never ignored. Token log-probabilities are the model's raw
-ones (log-softmax of its logits, before temperature and filtering).
+Parameters and ranges are TGI's (see ../shared/spec/API.md), and
+`ignore_eos` as on MindIE's routes; unknown fields are refused, never
+ignored. Token log-probabilities are the model's raw ones (log-softmax of
+its logits, before temperature and filtering).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from schemas.parameters import (
     Details,
     DoSample,
     GrammarParameter,
+    IgnoreEos,
     MaxNewTokens,
     RepetitionPenalty,
     RouteParameters,
@@ -38,6 +40,7 @@ class TgiParameters(RouteParameters):
     details: Details = None
     decoder_input_details: bool | None = Field(None, description="Also the prompt's tokens (not with a stream).")
     do_sample: DoSample = None
+    ignore_eos: IgnoreEos = None
     max_new_tokens: MaxNewTokens = None
     repetition_penalty: RepetitionPenalty = None
     return_full_text: bool | None = Field(None, description="Prepend the prompt to generated_text.")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from schemas.triton import GenerateRequest, GenerateStreamRequest
+from schemas.mindie import InferTokenRequest
+from schemas.tgi import TgiRequest
+from schemas.triton import GenerateRequest, GenerateStreamRequest, InferRequest
 
 
 @pytest.mark.parametrize("body", [GenerateRequest, GenerateStreamRequest])
@@ -25,6 +27,30 @@ def test_a_route_accepts_what_its_siblings_documents_list_and_nothing_no_documen
     for body in (GenerateRequest, GenerateStreamRequest):
         with pytest.raises(ValidationError, match="frequency_penalty"):
             body.model_validate({"text_input": "x", "parameters": {"frequency_penalty": 0.5}})
+
+
+@pytest.mark.parametrize(
+    ("body", "prompt"),
+    [
+        (GenerateRequest, {"text_input": "x"}),
+        (GenerateStreamRequest, {"text_input": "x"}),
+        (InferTokenRequest, {"inputs": "x"}),
+        (TgiRequest, {"inputs": "x"}),
+    ],
+)
+def test_ignore_eos_is_read_on_every_generation_route(body, prompt):
+    assert body.model_validate(prompt).parameters.sampling(seed=1).ignore_eos is False
+    parsed = body.model_validate({**prompt, "parameters": {"ignore_eos": True}})
+    assert parsed.parameters.sampling(seed=1).ignore_eos is True
+    with pytest.raises(ValidationError, match="parameters.ignore_eos"):
+        body.model_validate({**prompt, "parameters": {"ignore_eos": "yes"}})
+
+
+def test_ignore_eos_is_read_on_the_token_route_in_either_place():
+    tensor = {"name": "input0", "shape": [1], "datatype": "UINT32", "data": [1]}
+    for where in ({"parameters": {"ignore_eos": True}}, {"inputs": [{**tensor, "parameters": {"ignore_eos": True}}]}):
+        infer = InferRequest.model_validate({"inputs": [tensor], **where})
+        assert infer.effective_parameters.sampling(seed=1).ignore_eos is True
 
 
 def test_id_and_text_input_limits():
