@@ -46,6 +46,13 @@ def test_every_streaming_endpoint_delivers_the_same_tokens_and_reports_latencies
             figures = result[metric]
             assert 0 < figures["p50"] <= figures["p90"] <= figures["p99"], (metric, figures)
         assert result["ttft_ms"]["p99"] <= result["e2e_ms"]["p99"]
+        # AISBench's names and definitions beside ours (tests/test_bench_aisbench.py checks its arithmetic)
+        ais = result["aisbench"]
+        assert (ais["Success Requests"], ais["Total Requests"], ais["Max Concurrency"]) == (6, 6, 3)
+        assert ais["Total Generated Tokens"] == result["output_tokens"] and ais["Total Input Tokens"] >= 6 * 8
+        assert 0 < ais["TTFT"]["Average"] <= ais["E2EL"]["Average"] and ais["TPOT"]["N"] <= 6
+        assert 0 < ais["Concurrency"] <= 3 and ais["Prefill Token Throughput"] > 0
+    assert "server   AISBench (Average/P90/P99): TTFT " in run.stdout  # the printed table, in AISBench's names
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # --plot: the server's tokens/s, TTFT and ITL
 
 
@@ -73,6 +80,8 @@ def test_the_engine_topology_gets_the_same_tokens_and_serve_is_one_ratio_of_it()
     report = json.loads(run.stdout.strip().splitlines()[-1])
     engine, serve = report["results"]["engine"], report["results"]["serve"]
     assert engine["completed"] == serve["completed"] == 6
+    assert engine["aisbench"]["Success Requests"] == serve["aisbench"]["Success Requests"] == 6
+    assert engine["aisbench"]["Total Generated Tokens"] == serve["aisbench"]["Total Generated Tokens"]
     assert engine["output_tokens"] == serve["output_tokens"] and engine["output_tokens"] >= 6
     ratio = report["comparison"]["serve_over_engine_token_throughput"]
     assert ratio == round(serve["output_token_throughput"] / engine["output_token_throughput"], 3)

@@ -22,6 +22,7 @@ ENDPOINTS = ("generate_stream", "infer", "ws")
 class Request:
     prompt: str
     max_new_tokens: int
+    prompt_tokens: int = 0  # as the bundled tokenizer encodes the prompt (0: not counted)
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Outcome:
     sent_at: float
     token_times: list[float] = field(default_factory=list)  # when each token arrived
     error: str | None = None
+    event_times: list[float] = field(default_factory=list)  # when each stream event arrived, tokens or not
+    prompt_tokens: int = 0  # the request's
 
 
 def _parameters(request: Request) -> dict:
@@ -72,13 +75,14 @@ async def _events(endpoint: str, client: httpx.AsyncClient, base: str, model: st
 
 
 async def one_stream(endpoint: str, client: httpx.AsyncClient, base: str, model: str, request: Request) -> Outcome:
-    outcome = Outcome(sent_at=time.perf_counter())
+    outcome = Outcome(sent_at=time.perf_counter(), prompt_tokens=request.prompt_tokens)
     try:
         async for generated, error in _events(endpoint, client, base, model, request):
             if error:
                 outcome.error = error
                 break
             now = time.perf_counter()
+            outcome.event_times.append(now)
             outcome.token_times.extend([now] * ((generated or 0) - len(outcome.token_times)))
     except (httpx.HTTPError, websockets.WebSocketException, RuntimeError, OSError) as failure:
         outcome.error = str(failure)

@@ -6,7 +6,9 @@ with a fixed seed so every run asks for the same tokens), sent at a fixed
 concurrency or with Poisson arrivals at a rate, to generate_stream (SSE),
 /infer (MindIE's native stream) or /ws (WebSocket). Reported: time to first
 token, time per output token, inter-token latency and end-to-end latency at
-p50/p90/p99, request and output token throughput.
+p50/p90/p99, request and output token throughput; and beside them, under
+"aisbench", AISBench's metrics by its own names and definitions
+(tokenrelay/bench/aisbench.py), which a MindIE user compares.
 
 Against a running server (`--url`), or against topologies it starts itself
 side by side and loads in turn, `--rounds` times (`--topology serve kafka`:
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tokenrelay.bench import plots
+from tokenrelay.bench import aisbench, plots
 from tokenrelay.bench.help import HelpFormatter
 from tokenrelay.bench.load import ENDPOINTS, Outcome, Request, load_client, one_stream, summarize
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
@@ -47,18 +49,35 @@ def workload(count: int, prompt_lens: tuple[int, int], output_lens: tuple[int, i
     tokenizer = AutoTokenizer.from_pretrained(BUNDLED_MODEL)
     special = set(tokenizer.all_special_ids)
     ids = [i for i in range(tokenizer.vocab_size) if i not in special]
-    return [
-        Request(
-            prompt=tokenizer.decode([rng.choice(ids) for _ in range(rng.randint(*prompt_lens))]),
-            max_new_tokens=rng.randint(*output_lens),
-        )
+    prompts = [
+        (tokenizer.decode([rng.choice(ids) for _ in range(rng.randint(*prompt_lens))]), rng.randint(*output_lens))
         for _ in range(count)
+    ]
+    return [  # the prompt's tokens counted as AISBench counts them: the tokenizer's encoding, special tokens and all
+        Request(prompt=prompt, max_new_tokens=new, prompt_tokens=len(tokenizer.encode(prompt)))
+        for prompt, new in prompts
     ]
 
 
-async def run_load(*args, **kwargs) -> dict:
-    """Send the workload (send_load's arguments); the measured figures."""
-    return summarize(*await send_load(*args, **kwargs))
+def results_of(outcomes: list[Outcome], seconds: float, span_s: float, concurrency: int) -> dict:
+    """Our figures of a load that took `seconds`, and AISBench's (tokenrelay/bench/aisbench.py) under "aisbench",
+    its Benchmark Duration `span_s`."""
+    return {**summarize(outcomes, seconds), "aisbench": aisbench.metrics(outcomes, span_s, concurrency)}
+
+
+async def run_load(
+    base: str,
+    model: str,
+    endpoint: str,
+    requests: list[Request],
+    concurrency: int,
+    rate: float,
+    seed: int,
+    progress: str = "",
+) -> dict:
+    """Send the workload (as send_load does); the measured figures."""
+    outcomes, seconds = await send_load(base, model, endpoint, requests, concurrency, rate, seed, progress)
+    return results_of(outcomes, seconds, aisbench.span(outcomes), concurrency)
 
 
 async def send_load(
@@ -142,6 +161,7 @@ def _print_table(name: str, result: dict) -> None:
         figures = result[f"{metric}_ms"]
         line += f"{metric.upper()} p50/p90/p99 {figures['p50']:.1f}/{figures['p90']:.1f}/{figures['p99']:.1f} ms  "
     print(line.rstrip(), flush=True)
+    print(aisbench.line(name, result["aisbench"]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -225,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                 running.callback(engine.close)
                 engine.send_load(**{**direct, "requests": requests[:4]})  # warm up
                 bases = {"engine": "", **bases}
-            sent: dict[str, tuple[list[Outcome], float]] = {name: ([], 0.0) for name in bases}
+            sent: dict[str, tuple[list[Outcome], float, float]] = {name: ([], 0.0, 0.0) for name in bases}
             # Taking turns, round after round: a machine that slows down or speeds up meanwhile
             # (a shared one does) weighs on every topology alike.
             for round_ in range(1, args.rounds + 1):
@@ -235,9 +255,10 @@ def main(argv: list[str] | None = None) -> None:
                         outcomes, seconds = engine.send_load(**direct)
                     else:
                         outcomes, seconds = asyncio.run(send_load(base, **load, progress=label))
-                    sent[name] = (sent[name][0] + outcomes, sent[name][1] + seconds)
-            for name, (outcomes, seconds) in sent.items():
-                results[name] = summarize(outcomes, seconds)
+                    so_far, took, spans = sent[name]  # AISBench's duration: each round's, as if back to back
+                    sent[name] = (so_far + outcomes, took + seconds, spans + aisbench.span(outcomes))
+            for name, (outcomes, seconds, span_s) in sent.items():
+                results[name] = results_of(outcomes, seconds, span_s, args.concurrency)
                 _print_table(name, results[name])
     report = {
         "workload": {key: value for key, value in vars(args).items() if key not in ("json", "url", "plot")},

@@ -48,7 +48,7 @@ class EngineTopology:
         while len(outcomes) < len(requests) or running:
             now = time.perf_counter()
             while len(outcomes) < len(requests) and len(running) < concurrency and arrivals[len(outcomes)] <= now:
-                outcome = Outcome(sent_at=time.perf_counter())
+                outcome = Outcome(sent_at=time.perf_counter(), prompt_tokens=requests[len(outcomes)].prompt_tokens)
                 running[self._submit(requests[len(outcomes)])] = outcome
                 outcomes.append(outcome)
             try:
@@ -59,6 +59,7 @@ class EngineTopology:
                 outcome = running[event.request_id]
                 if event.error is not None:
                     outcome.error = event.error.message
+                outcome.event_times.append(at)
                 outcome.token_times.extend([at] * len(event.token_ids))
                 if event.finish_reason is not None or event.error is not None:
                     del running[event.request_id]
