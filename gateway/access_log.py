@@ -11,8 +11,10 @@ included.
   logged for it carries it.
 - One line per HTTP request once its answer is sent (a stream's when it
   ends): event `http_request` of the logger `gateway.access`, at info below
-  400, warning for 4xx and 503 (a state, not a fault), error for other 5xx.
-  It replaces uvicorn's access log (off: see tokenrelay/http_server.py).
+  400, warning for 4xx and 503 (a state, not a fault), error for other 5xx;
+  with `ignored_fields` when the body had fields no document lists
+  (gateway/ignored_fields.py). It replaces uvicorn's access log (off: see
+  tokenrelay/http_server.py).
 - Every answer counted in `tokenrelay_gateway_http_responses_total`, by
   route template and status: refusals are counted too, which the request
   metrics (telemetry/metrics.py) cannot see. A mounted app's requests are
@@ -137,6 +139,7 @@ class AccessLog:
             status = status or CLIENT_CLOSED
             route = route_template(scope)
             HTTP_RESPONSES.labels(route or UNMATCHED, str(status)).inc()
+            ignored = scope["state"].get("ignored_fields")
             getattr(access, level_of(status))(
                 "http_request",
                 method=method,
@@ -147,6 +150,7 @@ class AccessLog:
                 request_id=request_id,
                 client=client_of(scope),
                 bytes_sent=sent_bytes,
+                **({"ignored_fields": ignored} if ignored else {}),
             )
 
 

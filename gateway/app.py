@@ -12,6 +12,7 @@ from gateway import openapi
 from gateway.access_log import AccessLog
 from gateway.api_keys import ApiKeys, open_path
 from gateway.errors import install_handlers
+from gateway.ignored_fields import IgnoredFields
 from gateway.media import MediaLoader
 from gateway.request_body import RequestBodies
 from gateway.routes import (
@@ -71,6 +72,7 @@ def create_app(
     app.state.more_metrics = more_metrics
     # Each middleware added runs before those added earlier.
     app.add_middleware(RequestBodies, max_bytes=max_request_bytes)
+    app.add_middleware(IgnoredFields, reject=service.settings.reject_unknown_fields)
     app.add_middleware(HeadAsGet)
     keys_required = bool(api_keys) or service.tenants is not None
     if keys_required:

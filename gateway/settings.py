@@ -31,6 +31,8 @@ class GatewaySettings:
     admin_api_keys: tuple[str, ...] = ()
     lora_root: str = ""  # resolved: the directory run-time adapters must lie under; empty: refused
     tenants_file: str = ""  # API keys' tenants and their limits (tenants.py); empty: no tenants
+    # A body's field no document lists: True refuses it (422), False ignores it and names it (ignored_fields.py).
+    reject_unknown_fields: bool = False
 
 
 @dataclass(frozen=True)

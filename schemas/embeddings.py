@@ -5,8 +5,8 @@ to a worker, and answered at its `index`. `dimensions` is refused (400)
 whatever its value: no model is served here with shortened embeddings (a
 Matryoshka model's truncation is not read from its directory), so a vector
 always has the model's hidden size, and a client that asks for fewer must
-not believe it got them. Any other unknown field is refused by name (400),
-as on the other /v1 routes.
+not believe it got them. Any other field is ignored and named, as on the
+other routes (schemas/body.py).
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from schemas.parameters import BODY, INT32_MAX
+from schemas.body import Body
+from schemas.parameters import INT32_MAX
 from schemas.prompt_forms import Prompt, PromptForms, check_prompts, each_prompt
 
 MAX_INPUTS = 2048  # per request, as OpenAI allows: each is a request of its own to a worker
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(Body):
     """POST /v1/embeddings."""
-
-    model_config = BODY
 
     model: str = Field(description="A served model name (GET /v1/models).")
     input: PromptForms = Field(

@@ -6,13 +6,14 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
+from schemas.body import Body
 from schemas.parameters import STRICT, InferTokenParameters
 from schemas.triton import MAX_PROMPT_TOKENS, TextInput
 
 TokenId = Annotated[int, Field(ge=0, le=1024 * 1024)]
 
 
-class InferTokenRequest(BaseModel):
+class InferTokenRequest(Body):
     """Token ids in `input_id` (/infer_token), or text or a multimodal list in `inputs` (/infer)."""
 
     model_config = STRICT

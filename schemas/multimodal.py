@@ -11,33 +11,34 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
+from schemas.body import Body
 from schemas.parameters import STRICT
 
 MAX_ITEMS = 20
 MEDIA_KINDS = ("image_url", "video_url", "audio_url")
 
 
-class TextItem(BaseModel):
+class TextItem(Body):
     model_config = STRICT
     type: Literal["text"] = "text"
     text: str = Field(min_length=1)
 
 
-class ImageItem(BaseModel):
+class ImageItem(Body):
     model_config = STRICT
     type: Literal["image_url"] = "image_url"
     image_url: str = Field(min_length=1, description="JPG or PNG; at most 40 MB.")
 
 
-class VideoItem(BaseModel):
+class VideoItem(Body):
     model_config = STRICT
     type: Literal["video_url"] = "video_url"
     video_url: str = Field(min_length=1, description="MP4, AVI or WMV; at most 512 MB.")
 
 
-class AudioItem(BaseModel):
+class AudioItem(Body):
     model_config = STRICT
     type: Literal["audio_url"] = "audio_url"
     audio_url: str = Field(min_length=1, description="MP3, WAV or FLAC; at most 40 MB.")

@@ -6,8 +6,9 @@ that its users' benchmark and evaluation clients send (`ignore_eos`,
 `skip_special_tokens`, `include_stop_str_in_output`,
 `stream_options.continuous_usage_stats`, `priority`: this server's 1–5, 1
 most urgent), and this server's `speculative` (false: a speculating worker
-proposes no tokens for the request; the output is the same). Any other field is refused by name (400), so that a client
-never believes a parameter was applied when it was not.
+proposes no tokens for the request; the output is the same). Any other field
+is ignored, and named in the answer's X-Ignored-Fields header (schemas/body.py),
+so that a client can tell that a parameter was not applied.
 
 Log-probabilities are the model's raw ones: log-softmax of its logits, before
 temperature, penalties and filtering (vLLM's default).
@@ -19,11 +20,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
+from schemas.body import Body
 from schemas.messages import ChatMessage, ImagePart, SamplingParams, TokenInfo
 from schemas.messages import TextPart as WireTextPart
 from schemas.multimodal import MAX_ITEMS
 from schemas.openai_tools import NamedToolChoice, Tool, ToolCall, ToolCallDelta
-from schemas.parameters import BODY, INT32_MAX
+from schemas.parameters import INT32_MAX
 from schemas.prompt_forms import Prompt, PromptForms, TokenId, check_prompts, each_prompt
 
 SEED_MAX = 2**63 - 1
@@ -32,25 +34,19 @@ MAX_CHOICES = 16  # each choice is a request of its own to a worker
 MAX_PROMPTS = 256  # prompts in one completions request, as many of vLLM's evaluation clients batch them
 
 
-class StreamOptions(BaseModel):
-    model_config = BODY
-
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="vLLM's: usage so far in every chunk.")
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = BODY
-
+class JsonSchemaFormat(Body):
     name: str = Field(max_length=64, description="The schema's name.")
     description: str | None = None
     schema_: dict = Field(default_factory=dict, alias="schema", description="The JSON schema answers match.")
     strict: bool | None = Field(None, description="Answers always match the schema here, strict or not.")
 
 
-class ResponseFormat(BaseModel):
-    model_config = BODY
-
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema.")
 
@@ -61,9 +57,7 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class _Sampling(BaseModel):
-    model_config = BODY
-
+class _Sampling(Body):
     model: str = Field(description="A served model name (GET /v1/models).")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0: greedy; default 1.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Default 1.")
@@ -218,23 +212,17 @@ class CompletionRequest(_Sampling):
         return max_tokens
 
 
-class TextPart(BaseModel):
-    model_config = BODY
-
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ImageUrl(BaseModel):
-    model_config = BODY
-
+class ImageUrl(Body):
     url: str = Field(min_length=1, description="A data: URI, a file under the media directory, or an allowed URL.")
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the size
 
 
-class ImageUrlPart(BaseModel):
-    model_config = BODY
-
+class ImageUrlPart(Body):
     type: Literal["image_url"]
     image_url: ImageUrl
 
@@ -242,9 +230,7 @@ class ImageUrlPart(BaseModel):
 ContentPartIn = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
 
 
-class ChatMessageIn(BaseModel):
-    model_config = BODY
-
+class ChatMessageIn(Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPartIn] | None = Field(None, description="None only for an assistant's tool calls.")
     name: str | None = None

@@ -12,51 +12,39 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from schemas.parameters import BODY
+from schemas.body import Body
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-class FunctionDefinition(BaseModel):
-    model_config = BODY
-
+class FunctionDefinition(Body):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict = Field(default_factory=lambda: {"type": "object"}, description="A JSON schema.")
     strict: bool | None = Field(None, description="Arguments always match `parameters` here, strict or not.")
 
 
-class Tool(BaseModel):
-    model_config = BODY
-
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = BODY
-
+class FunctionName(Body):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = BODY
-
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCall(BaseModel):
-    model_config = BODY
-
+class FunctionCall(Body):
     name: str
     arguments: str = Field(description="JSON text.")
 
 
-class ToolCall(BaseModel):
+class ToolCall(Body):
     """A call the model made: in an answer, or in an earlier assistant turn of a conversation."""
-
-    model_config = BODY
 
     id: str
     type: Literal["function"] = "function"

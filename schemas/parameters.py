@@ -1,31 +1,30 @@
 """The sampling parameters of MindIE's routes: one definition per parameter, one subset per route.
 
-Each route accepts exactly the parameters its source document lists
-(../shared/spec/API.md: "ignores none silently"), or a sibling route's
-document lists, so each has a class that names them; the ranges are the
-contract's. Three extensions on every route: `ignore_eos` (generate
-max_new_tokens whatever the model says, as AISBench asks in its benchmarks),
-`grammar` (structured output, in TGI's shape), which no MindIE document has
-a place for, and `speculative` (false: a speculating worker proposes no
-tokens for the request). `null` means "not given".
+Each route reads the parameters its source document lists, or a sibling
+route's document lists (../shared/spec/API.md), so each has a class that
+names them; the ranges are the contract's. Any other field is ignored and
+named (schemas/body.py). Three extensions on every route: `ignore_eos`
+(generate max_new_tokens whatever the model says, as AISBench asks in its
+benchmarks), `grammar` (structured output, in TGI's shape), which no MindIE
+document has a place for, and `speculative` (false: a speculating worker
+proposes no tokens for the request). `null` means "not given".
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from schemas.body import Body
 from schemas.messages import SamplingParams
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 DEFAULT_MAX_NEW_TOKENS = 20
 
-# Request bodies: unknown fields refused by name; NaN and ±Infinity (which Python's json reads) are no numbers.
-BODY = ConfigDict(extra="forbid", allow_inf_nan=False)
 # strict: 5.0 is not an int and "5" is not a number; ints are still accepted as floats.
-STRICT = ConfigDict(BODY, strict=True)
+STRICT = ConfigDict(strict=True)
 
 Details = Annotated[bool | None, Field(description="Return generation details.")]
 DoSample = Annotated[
@@ -60,7 +59,7 @@ DecodeTime = Annotated[
 ]
 
 
-class Grammar(BaseModel):
+class Grammar(Body):
     """Structured output, in TGI's shape: the text matches a JSON schema (an object, or JSON text) or a regex."""
 
     model_config = STRICT
@@ -78,7 +77,7 @@ SpeculativeParameter = Annotated[
 ]
 
 
-class RouteParameters(BaseModel):
+class RouteParameters(Body):
     """What every route's parameters resolve to; a route lacks some fields, which then count as absent."""
 
     model_config = STRICT

@@ -1,12 +1,12 @@
 """Where a field belongs: for a field refused as unknown, the nearby place where that name is known.
 
-Bodies forbid unknown fields (schemas/parameters.py: BODY), so a field given
-one level off, such as `max_new_tokens` beside `parameters` instead of in it,
-is refused; the error can then say where it belongs. A place is found by
-walking the body's models along the error's location: a name is a field, a
-number a list's item, anything else a union member's tag (the value of its
-`op`, say, or the Tag() a callable discriminator picks it by) that picks the
-members it names.
+With --reject-unknown-fields a body refuses a field it does not name
+(schemas/body.py), so a field given one level off, such as `max_new_tokens`
+beside `parameters` instead of in it, is refused; the error can then say
+where it belongs. A place is found by walking the body's models along the
+error's location: a name is a field, a number a list's item, anything else a
+union member's tag (the value of its `op`, say, or the Tag() a callable
+discriminator picks it by) that picks the members it names.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pydantic.fields import FieldInfo
 Location = tuple[str | int, ...]
 
 
-def _models(annotation: Any) -> list[type[BaseModel]]:
+def models_of(annotation: Any) -> list[type[BaseModel]]:
     """The models a value of this annotation can be: itself, a union's members, a list's items, Annotated's type."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
-    found = (model for argument in get_args(annotation) for model in _models(argument))
+    found = (model for argument in get_args(annotation) for model in models_of(argument))
     return list(dict.fromkeys(found))
 
 
@@ -41,7 +41,7 @@ def _tags(model: type[BaseModel]) -> set:
 def _tagged(annotation: Any) -> dict[str, list[type[BaseModel]]]:
     """The members of the unions in this annotation that carry a Tag() (a callable discriminator's), by tag."""
     arguments = get_args(annotation)
-    found = {m.tag: _models(arguments[0]) for m in arguments[1:] if isinstance(m, Tag)}
+    found = {m.tag: models_of(arguments[0]) for m in arguments[1:] if isinstance(m, Tag)}
     for argument in arguments:
         found |= _tagged(argument)
     return found
@@ -50,7 +50,7 @@ def _tagged(annotation: Any) -> dict[str, list[type[BaseModel]]]:
 def _walk(root: Any, location: Location) -> tuple[list[type[BaseModel]], list[int]]:
     """The models the value at `location` can be (none when it is no model, or the walk loses its way), and the
     indexes of the parts a body names: its fields and list items, not the union members' tags pydantic adds."""
-    models, named, tags = _models(root), [], _tagged(root)
+    models, named, tags = models_of(root), [], _tagged(root)
     for index, part in enumerate(location):
         if isinstance(part, int):  # an item of a list, whose models the list's field gave already
             named.append(index)
@@ -65,7 +65,7 @@ def _walk(root: Any, location: Location) -> tuple[list[type[BaseModel]], list[in
         if holders:
             named.append(index)
             annotations = [_fields(model)[part].annotation for model in holders]
-            models = list(dict.fromkeys(m for annotation in annotations for m in _models(annotation)))
+            models = list(dict.fromkeys(m for annotation in annotations for m in models_of(annotation)))
             tags = {tag: members for annotation in annotations for tag, members in _tagged(annotation).items()}
             continue
         if part in tags:  # a callable discriminator's tag (its members may be no models: a list's form)
@@ -95,7 +95,7 @@ def _takes(models: list[type[BaseModel]], name: str, value: Any) -> bool:
         info = _fields(model).get(name)
         if info is None:
             continue
-        inner = _models(info.annotation)
+        inner = models_of(info.annotation)
         if not isinstance(value, dict) or not inner or any(set(value) <= set(_fields(m)) for m in inner):
             return True
     return False
@@ -112,7 +112,7 @@ def where_it_belongs(root: Any, location: Location, value: Any) -> str | None:
     models, named = _walk(root, tuple(container))
     for model in models:
         for field, info in _fields(model).items():
-            if _takes(_models(info.annotation), name, value):
+            if _takes(models_of(info.annotation), name, value):
                 return f"in {dotted((*(container[i] for i in named), field))}"
     fields = [index for index in named if isinstance(container[index], str)]
     if not fields:

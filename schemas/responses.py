@@ -11,7 +11,7 @@ the chat route's own code.
 This server keeps no responses: `store: true` and `previous_response_id`,
 which need them kept, are refused by name; `store` omitted (as the SDK sends
 it) or false is served, and nothing is kept. Any field not listed here is
-refused by name, as on the other /v1 routes.
+ignored and named, as on the other routes (schemas/body.py).
 
 The answers and events are OpenAI's shapes, field for field, as the official
 SDK parses them by their `type`.
@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, PrivateAttr, RootModel, Tag, ValidationError, model_validator
 
+from schemas.body import Body
 from schemas.multimodal import MAX_ITEMS
 from schemas.openai import (
     ChatCompletionRequest,
@@ -43,14 +44,12 @@ from schemas.openai_tools import (
     Tool,
     ToolCall,
 )
-from schemas.parameters import BODY, INT32_MAX
+from schemas.parameters import INT32_MAX
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-class InputText(BaseModel):
-    model_config = BODY
-
+class InputText(Body):
     type: Literal["input_text"]
     text: str
 
@@ -58,9 +57,7 @@ class InputText(BaseModel):
         return TextPart(type="text", text=self.text)
 
 
-class InputImage(BaseModel):
-    model_config = BODY
-
+class InputImage(Body):
     type: Literal["input_image"]
     image_url: str = Field(
         min_length=1, description="A data: URI, a file under the media directory, or an allowed URL."
@@ -71,10 +68,8 @@ class InputImage(BaseModel):
         return ImageUrlPart(type="image_url", image_url=ImageUrl(url=self.image_url, detail=self.detail))
 
 
-class OutputText(BaseModel):
+class OutputText(Body):
     """A text part of an answer; in an input, of an earlier assistant turn."""
-
-    model_config = BODY
 
     type: Literal["output_text"]
     text: str
@@ -88,10 +83,8 @@ class OutputText(BaseModel):
 ContentPart = Annotated[InputText | InputImage | OutputText, Field(discriminator="type")]
 
 
-class MessageItem(BaseModel):
+class MessageItem(Body):
     """A turn of the conversation; an assistant's may be an earlier answer's message, sent back as it came."""
-
-    model_config = BODY
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -109,10 +102,8 @@ class MessageItem(BaseModel):
         return ChatMessageIn(role=self.role, content=content)
 
 
-class FunctionCallItem(BaseModel):
+class FunctionCallItem(Body):
     """A call the model made (an answer's output item), sent back with its result."""
-
-    model_config = BODY
 
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
@@ -125,10 +116,8 @@ class FunctionCallItem(BaseModel):
         return ToolCall(id=self.call_id, function=FunctionCall(name=self.name, arguments=self.arguments))
 
 
-class FunctionCallOutputItem(BaseModel):
+class FunctionCallOutputItem(Body):
     """A call's result, for the model to read."""
-
-    model_config = BODY
 
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, description="The call it answers.")
@@ -157,9 +146,7 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(BaseModel):
-    model_config = BODY
-
+class FunctionTool(Body):
     type: Literal["function"]
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
@@ -171,22 +158,16 @@ class FunctionTool(BaseModel):
         return Tool(type="function", function=FunctionDefinition(**definition))
 
 
-class FunctionToolChoice(BaseModel):
-    model_config = BODY
-
+class FunctionToolChoice(Body):
     type: Literal["function"]
     name: str
 
 
-class PlainTextFormat(BaseModel):
-    model_config = BODY
-
+class PlainTextFormat(Body):
     type: Literal["text"]
 
 
-class JsonObjectFormat(BaseModel):
-    model_config = BODY
-
+class JsonObjectFormat(Body):
     type: Literal["json_object"]
 
 
@@ -197,16 +178,12 @@ class JsonSchemaTextFormat(JsonSchemaFormat):
 TextFormat = Annotated[PlainTextFormat | JsonObjectFormat | JsonSchemaTextFormat, Field(discriminator="type")]
 
 
-class TextConfig(BaseModel):
-    model_config = BODY
-
+class TextConfig(Body):
     format: TextFormat = Field(default_factory=lambda: PlainTextFormat(type="text"), description="Default: text.")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(Body):
     """POST /v1/responses."""
-
-    model_config = BODY
 
     model: str = Field(description="A served model name (GET /v1/models).")
     input: str | Annotated[list[InputItem], Field(min_length=1)] = Field(

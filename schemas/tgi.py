@@ -1,9 +1,9 @@
 """TGI-compatible bodies: POST /generate and POST /generate_stream, as MindIE serves them (TGI 0.9.4).
 
 Parameters and ranges are TGI's (see ../shared/spec/API.md), and
-`ignore_eos` as on MindIE's routes; unknown fields are refused, never
-ignored. Token log-probabilities are the model's raw ones (log-softmax of
-its logits, before temperature and filtering).
+`ignore_eos` as on MindIE's routes; other fields are ignored and named
+(schemas/body.py). Token log-probabilities are the model's raw ones
+(log-softmax of its logits, before temperature and filtering).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from schemas.body import Body
 from schemas.parameters import (
     STRICT,
     Details,
@@ -78,7 +79,7 @@ class TgiParameters(RouteParameters):
         return value
 
 
-class TgiTokenizeRequest(BaseModel):
+class TgiTokenizeRequest(Body):
     """POST /tokenize in TGI's shape: `inputs` tokenized as /generate takes it (truncate applies)."""
 
     model_config = STRICT

@@ -6,7 +6,7 @@ generation (the same chat template, the same limits). vLLM's and TGI's
 /tokenize share a path; the body's shape says which is meant: `inputs` is
 TGI's, `prompt` or `messages` vLLM's. Field names and defaults are vLLM's
 (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest) and TGI's
-(GenerateRequest); unknown fields are refused.
+(GenerateRequest); other fields are ignored and named (schemas/body.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 
+from schemas.body import Body
 from schemas.mindie import TokenId
 from schemas.openai import ChatMessageIn
 from schemas.openai_tools import Tool
-from schemas.parameters import BODY
 from schemas.tgi import TgiTokenizeRequest
 from schemas.triton import MAX_PROMPT_TOKENS
 
@@ -26,10 +26,8 @@ _MODEL = "The served model; absent: the default one, as /infer's."
 _TOKEN_STRS = "Also each token as the vocabulary spells it (`token_strs`)."
 
 
-class TokenizePromptRequest(BaseModel):
+class TokenizePromptRequest(Body):
     """vLLM's /tokenize of a text."""
-
-    model_config = BODY
 
     model: str | None = Field(None, description=_MODEL)
     prompt: str = Field(max_length=512 * 1024)
@@ -37,10 +35,8 @@ class TokenizePromptRequest(BaseModel):
     return_token_strs: bool = Field(False, description=_TOKEN_STRS)
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(Body):
     """vLLM's /tokenize of a chat, rendered by the model's chat template as /v1/chat/completions renders it."""
-
-    model_config = BODY
 
     model: str | None = Field(None, description=_MODEL)
     messages: list[ChatMessageIn] = Field(min_length=1)
@@ -90,9 +86,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None  # with return_token_strs
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = BODY
-
+class DetokenizeRequest(Body):
     model: str | None = Field(None, description=_MODEL)
     tokens: list[TokenId] = Field(
         max_length=MAX_PROMPT_TOKENS, description="Token ids, decoded special tokens and all."

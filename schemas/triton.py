@@ -1,10 +1,11 @@
 """Bodies of the Triton-compatible routes: /v2/models/{model}/generate, generate_stream, infer.
 
 Field names, types and ranges are MindIE's (../shared/spec/API.md decides
-where its pages disagree). Unknown fields are refused, never ignored. On
-infer, KServe v2's own parameters come besides MindIE's, so that Triton's
-clients work with their defaults: `binary_data_size` on an input, whose ids
-then follow the JSON header as raw bytes (gateway/kserve_binary.py),
+where its pages disagree); other fields are ignored and named
+(schemas/body.py). On infer, KServe v2's own parameters come besides
+MindIE's, so that Triton's clients work with their defaults:
+`binary_data_size` on an input, whose ids then follow the JSON header as raw
+bytes (gateway/kserve_binary.py),
 `binary_data` on a requested output and `binary_data_output` at the top
 level, which ask for the answer's ids that way.
 """
@@ -15,6 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from schemas.body import Body
 from schemas.multimodal import text_or_items
 from schemas.parameters import (
     STRICT,
@@ -32,7 +34,7 @@ GenerateTextInput = text_or_items(512 * 1024)  # the generate page's limit
 RequestId = Annotated[str | None, Field(pattern=REQUEST_ID_PATTERN, description="Absent: the server makes one up.")]
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(Body):
     """POST /v2/models/{model}/generate"""
 
     model_config = STRICT
@@ -43,7 +45,7 @@ class GenerateRequest(BaseModel):
     parameters: GenerateParameters = GenerateParameters()
 
 
-class GenerateStreamRequest(BaseModel):
+class GenerateStreamRequest(Body):
     """POST /v2/models/{model}/generate_stream"""
 
     model_config = STRICT
@@ -90,7 +92,7 @@ def sampling_given(parameters: TritonInferParameters | None) -> bool:
     )
 
 
-class InferInput(BaseModel):
+class InferInput(Body):
     model_config = STRICT
 
     name: Literal["input0"]
@@ -120,7 +122,7 @@ class InferInput(BaseModel):
         return self
 
 
-class InferOutputParameters(BaseModel):
+class InferOutputParameters(Body):
     model_config = STRICT
 
     binary_data: bool | None = Field(
@@ -128,14 +130,14 @@ class InferOutputParameters(BaseModel):
     )
 
 
-class InferOutputRequest(BaseModel):
+class InferOutputRequest(Body):
     model_config = STRICT
 
     name: str = Field(min_length=1, max_length=256)
     parameters: InferOutputParameters | None = None
 
 
-class InferRequest(BaseModel):
+class InferRequest(Body):
     """POST /v2/models/{model}/infer: token ids in, token ids out."""
 
     model_config = STRICT
@@ -172,7 +174,7 @@ class InferRequest(BaseModel):
         return bool(self.parameters is not None and self.parameters.binary_data_output)
 
 
-class StopInferRequest(BaseModel):
+class StopInferRequest(Body):
     """POST /v2/models/{model}/stopInfer"""
 
     model_config = STRICT

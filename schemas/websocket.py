@@ -15,7 +15,11 @@ Server to client:
 - `{"id": ..., "data": {...}}`: one event, the object that API's SSE stream
   sends as `data:` (OpenAI's chunks, without `[DONE]`), or an error object
   in that API's shape;
-- `{"id": ..., "done": true}`: the stream with that id has ended.
+- `{"id": ..., "done": true}`: the stream with that id has ended;
+- `{"id": ..., "ignored_fields": [...]}`: before anything else under that
+  id, the fields of the message that no document lists, which were ignored
+  (dotted paths, as HTTP's X-Ignored-Fields header names them); with the
+  server's --reject-unknown-fields such a message is refused instead.
 A message that is refused (422: not valid, an unknown `op`, whose error
 names the ops there are) is answered with an error object under the
 message's own `id` (`null` if it has none), then `done` for that id unless a
@@ -30,11 +34,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
+from schemas.body import Body
 from schemas.mindie import InferTokenRequest
 from schemas.openai import ChatCompletionRequest, CompletionRequest
-from schemas.parameters import BODY, STRICT
+from schemas.parameters import STRICT
 from schemas.tgi import TgiRequest
 from schemas.triton import REQUEST_ID_PATTERN, GenerateStreamRequest
 
@@ -46,9 +51,7 @@ class WsGenerateStream(GenerateStreamRequest):
     model: str
 
 
-class _WsOp(BaseModel):
-    model_config = BODY
-
+class _WsOp(Body):
     id: StreamId = None
 
 
@@ -72,7 +75,7 @@ class WsChatCompletions(_WsOp):
     body: ChatCompletionRequest
 
 
-class WsCancel(BaseModel):
+class WsCancel(Body):
     model_config = STRICT
 
     op: Literal["cancel"]

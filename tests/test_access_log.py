@@ -37,7 +37,7 @@ def _access(entries: list[dict], event: str = "http_request") -> list[dict]:
 
 
 def test_a_422_is_logged_with_its_status_route_and_request_id(client, logged):
-    refused = client.post("/v2/models/tiny/generate", json={"text_input": "x", "max_new_tokens": 5})
+    refused = client.post("/v2/models/tiny/generate", json={"text_input": "x", "parameters": {"max_new_tokens": 0}})
     assert refused.status_code == 422
     request_id = refused.headers["x-request-id"]
     assert len(request_id) == 32 and int(request_id, 16) >= 0  # one made up: uuid4's hex

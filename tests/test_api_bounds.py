@@ -112,12 +112,6 @@ def test_both_sides_of_a_parameter_bound(server, route, name, inside, outside):
         ("infer_token", {}, "one of input_id and inputs is required"),
         ("infer_token", {"input_id": [5], "stream": "yes"}, "stream"),
         ("infer", {"inputs": ""}, "inputs"),
-        (
-            "generate",
-            {"text_input": "x", "parameters": {"frequency_penalty": 0.5}},
-            "parameters.frequency_penalty is not a known field",
-        ),
-        ("generate", {"text_input": "x", "temperature": 0.5}, "temperature is not a known field"),
         ("generate", {"text_input": "x", "parameters": {"max_new_tokens": 5.0}}, "parameters.max_new_tokens"),
         ("generate", {"text_input": "x", "parameters": {"do_sample": "true"}}, "parameters.do_sample"),
     ],
@@ -154,6 +148,29 @@ def test_a_bad_prompt_is_one_message_naming_the_field_and_the_rule(server, route
     refused = _post(server, route, body)
     assert refused.status_code == 422 and refused.json()["error"].startswith(error), refused.text
     assert "constrained-str" not in refused.text and "tagged-union" not in refused.text
+
+
+@pytest.mark.parametrize(
+    ("route", "unknown", "named"),
+    [
+        ("generate", {"parameters": {"frequency_penalty": 0.5}}, "parameters.frequency_penalty"),
+        ("generate", {"temperature": 0.5}, "temperature"),
+        ("infer", {"parameters": {"ignore_eos": False, "n": 2}, "model": "x"}, "model, parameters.n"),
+        (
+            "triton_infer",
+            {"outputs": [{"name": "output0", "parameters": {"classification": 3}}]},
+            "outputs.0.parameters.classification",
+        ),
+    ],
+)
+def test_a_field_no_document_lists_is_ignored_and_named(server, route, unknown, named):
+    """The answer is the one without the field (greedy: the same tokens), with the field named in a header."""
+    _, base = ROUTES[route]
+    plain = _post(server, route, base)
+    answer = _post(server, route, {**base, **unknown})
+    assert answer.status_code == 200 and answer.headers["x-ignored-fields"] == named, answer.text
+    assert answer.json() == {**plain.json(), **({"id": answer.json()["id"]} if "id" in plain.json() else {})}
+    assert "x-ignored-fields" not in plain.headers
 
 
 @pytest.mark.parametrize("route", ["generate", "infer", "generate_stream"])

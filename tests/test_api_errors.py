@@ -23,11 +23,13 @@ from tests.test_gateway_state import _heartbeat
 WS_OPS = "'generate_stream', 'infer', 'tgi', 'completions', 'chat.completions', 'cancel'"
 
 
-def in_process_gateway(tmp_path: Path, **options) -> tuple[TestClient, GatewayService]:
+def in_process_gateway(
+    tmp_path: Path, settings: GatewaySettings | None = None, **options
+) -> tuple[TestClient, GatewayService]:
     """A gateway app on an in-process bus, with no worker; started and stopped by the client's context.
 
-    `options`: create_app's (api_keys, max_request_bytes)."""
-    service = GatewayService(InProcessBus(), GatewaySettings())
+    `settings`: the gateway's (default: GatewaySettings()); `options`: create_app's (api_keys, max_request_bytes)."""
+    service = GatewayService(InProcessBus(), settings or GatewaySettings())
     media = MediaLoader(MediaPolicy(media_dir=tmp_path))
     app = create_app(service, media, **{"max_request_bytes": 1024 * 1024, **options})
     return TestClient(app), service
@@ -46,6 +48,15 @@ def client(gateway) -> TestClient:
     client, service = gateway
     service.directory.observe(_heartbeat("w1", ["tiny", "llama_65b"]))
     return client
+
+
+@pytest.fixture
+def strict_client(tmp_path) -> Iterator[TestClient]:
+    """The same, with --reject-unknown-fields: a field no document lists is refused, as before 2026-12-05."""
+    client, service = in_process_gateway(tmp_path, GatewaySettings(reject_unknown_fields=True))
+    with client:
+        service.directory.observe(_heartbeat("w1", ["tiny"]))
+        yield client
 
 
 def test_a_method_not_served_is_a_405_that_names_the_allowed_ones(client):
@@ -174,17 +185,31 @@ def test_before_any_worker_announced_itself_a_model_is_unavailable_not_unknown(g
         ),
     ],
 )
-def test_a_field_at_the_wrong_level_says_where_it_belongs(client, path, body, error):
-    answer = client.post(path, json=body)
+def test_with_the_strict_setting_a_field_at_the_wrong_level_says_where_it_belongs(strict_client, path, body, error):
+    answer = strict_client.post(path, json=body)
     assert answer.status_code == 422 and answer.json() == {"error": error, "error_type": "Input Validation Error"}
+    assert "x-ignored-fields" not in answer.headers
 
 
-def test_openai_errors_name_the_offending_field_in_param(client):
+def test_with_the_strict_setting_every_unknown_field_is_named_and_known_ones_still_checked(strict_client):
+    body = {"text_input": "x", "foo": 1, "parameters": {"bar": 2, "seed": 0}}
+    answer = strict_client.post("/v2/models/tiny/generate", json=body)
+    assert answer.status_code == 422 and answer.json()["error"] == (
+        "parameters.seed: Input should be greater than 0; received 0"
+    )
+    answer = strict_client.post("/v2/models/tiny/generate", json={**body, "parameters": {"bar": 2}})
+    assert answer.status_code == 422 and answer.json()["error"] == (
+        "foo is not a known field; parameters.bar is not a known field"
+    )
+
+
+def test_openai_errors_name_the_offending_field_in_param(client, strict_client):
     role = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "robot", "content": "x"}]})
     assert role.status_code == 400 and role.json()["error"]["param"] == "messages.0.role"
     tokens = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0})
     assert tokens.status_code == 400 and tokens.json()["error"]["param"] == "max_tokens"
-    usage = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "include_usage": True})
+    usage = strict_client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "include_usage": True})
+    assert usage.status_code == 400 and usage.json()["error"]["param"] == "include_usage"
     assert usage.json()["error"]["message"] == "include_usage is not a known field here; it belongs in stream_options"
     malformed = client.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert malformed.status_code == 400 and malformed.json()["error"]["param"] is None
@@ -201,14 +226,27 @@ def test_websocket_errors_echo_the_message_id_and_name_the_ops(client):
         socket.send_json({"id": "s2"})
         assert socket.receive_json()["data"]["error"] == f"op is required: one of {WS_OPS}"
         assert socket.receive_json() == {"id": "s2", "done": True}
-        socket.send_json({"op": "generate_stream", "id": "s3", "model": "tiny", "text_input": "x", "seed": 1})
-        assert socket.receive_json()["data"]["error"] == "seed is not a known field here; it belongs in parameters"
-        assert socket.receive_json() == {"id": "s3", "done": True}
         socket.send_text("[1]")  # no id to echo
         assert socket.receive_json() == {
             "id": None,
             "data": {"error": "body: Input should be an object; received list", "error_type": "Input Validation Error"},
         }
+
+
+def test_with_the_strict_setting_a_websocket_message_with_an_unknown_field_is_refused_naming_it(strict_client):
+    with strict_client.websocket_connect("/ws") as socket:
+        socket.send_json({"op": "generate_stream", "id": "s3", "model": "tiny", "text_input": "x", "seed": 1})
+        assert socket.receive_json() == {
+            "id": "s3",
+            "data": {
+                "error": "seed is not a known field here; it belongs in parameters",
+                "error_type": "Input Validation Error",
+            },
+        }
+        assert socket.receive_json() == {"id": "s3", "done": True}
+        socket.send_json({"op": "tgi", "id": "s4", "body": {"inputs": "x", "parameters": {"best": 2}}})
+        assert socket.receive_json()["data"]["error"] == "body.parameters.best is not a known field"
+        assert socket.receive_json() == {"id": "s4", "done": True}
 
 
 # What makes a browser fetch an address as a page runs, in the pages' scripts and styles: an element's src (in

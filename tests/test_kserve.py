@@ -20,6 +20,7 @@ import tritonclient.http as triton
 
 from gateway.errors import ApiError
 from gateway.kserve_binary import _header_length
+from gateway.settings import GatewaySettings
 from schemas.triton import InferRequest
 from tests.processes import on_kafka
 from tests.test_api_errors import in_process_gateway
@@ -171,8 +172,12 @@ def test_an_outputs_own_binary_data_wins_over_binary_data_output(output_paramete
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    """A gateway in this process that a worker announced `tiny` to, and no worker: only refusals come back."""
-    client, service = in_process_gateway(tmp_path_factory.mktemp("kserve-gateway"))
+    """A gateway in this process that a worker announced `tiny` to, and no worker: only refusals come back.
+
+    With --reject-unknown-fields, so that a KServe parameter not served is refused by name (by default it is
+    ignored and named: test_ignored_fields.py)."""
+    settings = GatewaySettings(reject_unknown_fields=True)
+    client, service = in_process_gateway(tmp_path_factory.mktemp("kserve-gateway"), settings)
     with client:
         service.directory.observe(_heartbeat("w1", ["tiny"]))
         yield client

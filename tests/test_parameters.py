@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from schemas.body import ignored_fields, reading_body
 from schemas.mindie import InferTokenRequest
 from schemas.tgi import TgiRequest
 from schemas.triton import GenerateRequest, GenerateStreamRequest, InferRequest
@@ -19,14 +20,25 @@ def test_types_are_strict_and_null_means_not_given(body):
     assert parsed.parameters.seed is None and parsed.parameters.temperature == 1.0
 
 
-def test_a_route_accepts_what_its_siblings_documents_list_and_nothing_no_document_lists():
+def test_a_route_reads_what_its_siblings_documents_list_and_ignores_what_no_document_lists():
     generate = GenerateRequest.model_validate({"text_input": "x", "parameters": {"priority": 1, "timeout": 30}})
     assert (generate.parameters.given("priority"), generate.parameters.given("timeout")) == (1, 30)
     stream = GenerateStreamRequest.model_validate({"text_input": "x", "parameters": {"perf_stat": True}})
     assert stream.parameters.given("perf_stat") is True
     for body in (GenerateRequest, GenerateStreamRequest):
-        with pytest.raises(ValidationError, match="frequency_penalty"):
-            body.model_validate({"text_input": "x", "parameters": {"frequency_penalty": 0.5}})
+        given = {"text_input": "x", "parameters": {"frequency_penalty": 0.5}}
+        ignoring = body.model_validate(given)
+        assert ignored_fields(ignoring) == {("parameters", "frequency_penalty"): 0.5}
+        assert ignoring.parameters.given("frequency_penalty") is None
+        assert ignoring.parameters.sampling(seed=1) == body.model_validate({"text_input": "x"}).parameters.sampling(1)
+        with reading_body(reject=True), pytest.raises(ValidationError) as refused:
+            body.model_validate(given)
+        [error] = refused.value.errors()
+        assert (error["type"], error["loc"], error["input"]) == (
+            "extra_forbidden",
+            ("parameters", "frequency_penalty"),
+            0.5,
+        )
 
 
 @pytest.mark.parametrize(
@@ -41,7 +53,7 @@ def test_a_route_accepts_what_its_siblings_documents_list_and_nothing_no_documen
 def test_ignore_eos_is_read_on_every_generation_route(body, prompt):
     assert body.model_validate(prompt).parameters.sampling(seed=1).ignore_eos is False
     parsed = body.model_validate({**prompt, "parameters": {"ignore_eos": True}})
-    assert parsed.parameters.sampling(seed=1).ignore_eos is True
+    assert parsed.parameters.sampling(seed=1).ignore_eos is True and ignored_fields(parsed) == {}
     with pytest.raises(ValidationError, match="parameters.ignore_eos"):
         body.model_validate({**prompt, "parameters": {"ignore_eos": "yes"}})
 
@@ -50,7 +62,7 @@ def test_ignore_eos_is_read_on_the_token_route_in_either_place():
     tensor = {"name": "input0", "shape": [1], "datatype": "UINT32", "data": [1]}
     for where in ({"parameters": {"ignore_eos": True}}, {"inputs": [{**tensor, "parameters": {"ignore_eos": True}}]}):
         infer = InferRequest.model_validate({"inputs": [tensor], **where})
-        assert infer.effective_parameters.sampling(seed=1).ignore_eos is True
+        assert infer.effective_parameters.sampling(seed=1).ignore_eos is True and ignored_fields(infer) == {}
 
 
 def test_id_and_text_input_limits():

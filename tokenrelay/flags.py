@@ -177,6 +177,14 @@ def _gateway_options(parser: _Parser) -> None:
         help="publish every request to the request topics that workers share, instead of routing it to the "
         "worker with room and its prompt cached (the placement before routing; for comparisons)",
     )
+    _option(
+        parser,
+        "--reject-unknown-fields",
+        action="store_true",
+        default=False,
+        help="refuse (422) a body's field that no document lists, instead of ignoring it and naming it in the "
+        "answer's X-Ignored-Fields header and the log",
+    )
     _option(parser, "--api-keys", nargs="+", default=[], help="API keys clients must send (Bearer); none: open")
     _option(parser, "--api-keys-file", default="", help="a file of API keys, one per line (with --api-keys, all count)")
     _option(

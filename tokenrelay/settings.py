@@ -134,6 +134,7 @@ def _gateway(args: argparse.Namespace) -> GatewaySettings:
         max_in_flight=args.max_in_flight,
         max_waiting_requests=args.max_waiting_requests,
         route=not args.no_router,
+        reject_unknown_fields=args.reject_unknown_fields,
         admin_api_keys=tuple(key.strip() for key in args.admin_api_keys if key.strip()),
         lora_root=_lora_root(args.lora_root),
         tenants_file=_tenants_file(args.tenants_file),

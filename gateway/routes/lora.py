@@ -25,11 +25,12 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from gateway.errors import OPENAI_ERRORS, VALIDATION_ERROR, ApiError, not_found
 from gateway.service import GatewayService
 from schemas.adapters import AdapterError, check_fits, read_adapter
+from schemas.body import Body
 from schemas.messages import AdapterState
 
 router = APIRouter(tags=["LoRA adapters"])
@@ -43,10 +44,8 @@ _ADMIN_ERRORS = {status: _ERROR for status in (*OPENAI_ERRORS, 401, 403)}
 _NAME = r"^[^\x00-\x1f/]+$"  # a model name of its own, and half of the topic's key model/name
 
 
-class LoadLoraAdapterRequest(BaseModel):
+class LoadLoraAdapterRequest(Body):
     """vLLM's LoadLoRAAdapterRequest."""
-
-    model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(pattern=_NAME, max_length=256, description="The model name clients will call it by.")
     lora_path: str = Field(
@@ -55,10 +54,8 @@ class LoadLoraAdapterRequest(BaseModel):
     base_model_name: str | None = Field(default=None, description="The model it adapts; absent: the only one served.")
 
 
-class UnloadLoraAdapterRequest(BaseModel):
+class UnloadLoraAdapterRequest(Body):
     """vLLM's UnloadLoRAAdapterRequest."""
-
-    model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1, description="The adapter's name, as it was loaded.")
 

@@ -14,7 +14,9 @@ from pydantic import ValidationError
 
 from gateway.access_log import access, client_of, level_of
 from gateway.errors import VALIDATION_ERROR, ApiError, describe_validation_error, openai_error_body
+from gateway.ignored_fields import listed
 from gateway.routes import mindie, openai, tgi, triton
+from schemas.body import reading_body
 from schemas.triton import GenerateStreamRequest
 from schemas.websocket import (
     WsCancel,
@@ -37,6 +39,7 @@ class _Socket:
     def __init__(self, websocket: WebSocket) -> None:
         self._websocket = websocket
         self.request_id: str = websocket.state.request_id  # gateway/access_log.py
+        self.reject_unknown_fields: bool = websocket.app.state.gateway.settings.reject_unknown_fields
         self.client = client_of(websocket.scope)
         self._send_lock = asyncio.Lock()
         self.streams: dict[str, asyncio.Task] = {}
@@ -61,23 +64,27 @@ class _Socket:
 
     async def handle(self, raw: str) -> None:
         try:
-            message = WsClientMessage.validate_json(raw)
+            with reading_body(self.reject_unknown_fields) as reading:
+                message = WsClientMessage.validate_json(raw)
         except ValidationError as error:
             text = "; ".join(describe_validation_error(e, WsMessage) for e in error.errors())
             stream_id = _id_in(raw)
             refused = ApiError(422, VALIDATION_ERROR, text)
             await self.fail(stream_id, refused, ends=stream_id not in self.streams)  # a stream under it goes on
             return
+        stream_id = message.id or uuid.uuid4().hex
+        ignored = listed(reading.ignored or {})
+        if ignored:  # before the stream's first event: the fields of the message it ignored
+            await self.send({"id": stream_id, "ignored_fields": ignored})
         if isinstance(message, WsCancel):
             await self.cancel(message.id)
             return
-        stream_id = message.id or uuid.uuid4().hex
         if stream_id in self.streams:  # said under that id, but it is not done: the stream running under it goes on
             message_text = f"id {stream_id} is already streaming on this socket"
             await self.fail(stream_id, ApiError(422, VALIDATION_ERROR, message_text), ends=False)
             return
         self.started += 1
-        self.streams[stream_id] = asyncio.create_task(self._stream(stream_id, message))
+        self.streams[stream_id] = asyncio.create_task(self._stream(stream_id, message, ignored))
 
     async def cancel(self, stream_id: str) -> None:
         """Stop the stream's requests as stopInfer does: the stream ends with its API's last event, finish reason and
@@ -103,7 +110,7 @@ class _Socket:
         assert isinstance(message, WsChatCompletions)
         return await openai.chat_chunks(connection, message.body)
 
-    async def _stream(self, stream_id: str, message: WsStart) -> None:
+    async def _stream(self, stream_id: str, message: WsStart, ignored: list[str]) -> None:
         request_id = f"{self.request_id}/{stream_id}"
         structlog.contextvars.bind_contextvars(request_id=request_id)  # this task's own context: its lines only
         started = time.perf_counter()
@@ -141,6 +148,7 @@ class _Socket:
                 events=events,
                 latency_ms=round((time.perf_counter() - started) * 1000, 1),
                 client=self.client,
+                **({"ignored_fields": ignored} if ignored else {}),
             )
 
 
