@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from tokenrelay.bench import plots
 from tokenrelay.bench.engine_runs import Request, Result, release, run_engine, timed_result, workload
-from tokenrelay.bench.help import HelpFormatter
+from tokenrelay.bench.help import HelpFormatter, add_length_range
 from workers.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 
 # torch, transformers and the engine are imported where they are used, so that `--help` answers at once.
@@ -259,22 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         help="also run the native engine split across this many ranks (a --model directory), beside the whole one",
     )
     parser.add_argument("--requests", type=int, default=256, help="requests of the workload, all arriving at once")
-    parser.add_argument(
-        "--prompt-lens",
-        type=int,
-        nargs=2,
-        default=(32, 512),
-        metavar=("MIN", "MAX"),
-        help="prompt tokens, drawn per request",
-    )
-    parser.add_argument(
-        "--output-lens",
-        type=int,
-        nargs=2,
-        default=(16, 256),
-        metavar=("MIN", "MAX"),
-        help="new tokens, drawn per request",
-    )
+    add_length_range(parser, "prompt-lens", (32, 512), "prompt tokens, drawn per request")
+    add_length_range(parser, "output-lens", (16, 256), "new tokens, drawn per request")
     parser.add_argument("--one-at-a-time", type=int, default=16, help="requests the one-at-a-time baseline runs")
     parser.add_argument(
         "--continuous-batching",

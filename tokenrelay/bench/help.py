@@ -2,7 +2,9 @@
 
 A default is said once: appended as `(default: VALUE)` unless the option's
 help already says it in its own words (`default: the bundled model`). An
-option whose default is nothing (None, off, empty) has nothing to say.
+option whose default is nothing (None, off, empty) has nothing to say. The
+workload's length ranges, which several benches draw, are declared here
+once, so that they read alike everywhere.
 """
 
 from __future__ import annotations
@@ -19,3 +21,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             return written
         shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
         return f"{written} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+def add_length_range(parser: argparse.ArgumentParser, name: str, default: tuple[int, int], what: str) -> None:
+    """`--NAME MIN MAX`: a range of token counts each request of the workload draws from."""
+    parser.add_argument(f"--{name}", type=int, nargs=2, default=default, metavar=("MIN", "MAX"), help=what)

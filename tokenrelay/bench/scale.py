@@ -51,7 +51,7 @@ import httpx
 
 from bus.topics import routing_topic
 from tokenrelay.bench import plots
-from tokenrelay.bench.help import HelpFormatter
+from tokenrelay.bench.help import HelpFormatter, add_length_range
 from tokenrelay.bench.load import Outcome, Request, load_client, one_stream, percentiles, sse
 from tokenrelay.topology import bench_site, free_port, tokenrelay_processes, wait_ready
 from workers.simulated.profile import Profile, StepCost
@@ -401,14 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds measured per worker count")
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds of load before measuring")
     parser.add_argument("--prompt-bytes", type=int, default=400, help="of each prompt of the load")
-    parser.add_argument(
-        "--output-lens",
-        type=int,
-        nargs=2,
-        default=(16, 48),
-        metavar=("MIN", "MAX"),
-        help="new tokens, drawn per request",
-    )
+    add_length_range(parser, "output-lens", (16, 48), "new tokens, drawn per request")
     parser.add_argument("--chat-workers", type=int, default=8, help="0: no chat load")
     parser.add_argument("--conversations", type=int, default=64, help="of the chat load")
     parser.add_argument("--turns", type=int, default=6, help="of each conversation")

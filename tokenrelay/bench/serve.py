@@ -35,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tokenrelay.bench import aisbench, plots
-from tokenrelay.bench.help import HelpFormatter
+from tokenrelay.bench.help import HelpFormatter, add_length_range
 from tokenrelay.bench.load import ENDPOINTS, Outcome, Request, load_client, one_stream, summarize
 from tokenrelay.topology import free_port, local_broker, tokenrelay_processes, wait_ready
 from workers.bundled import BUNDLED_MODEL
@@ -182,22 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=256, help="requests of the workload")
     parser.add_argument("--concurrency", type=int, default=64, help="streams open at once at most")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    parser.add_argument(
-        "--prompt-lens",
-        type=int,
-        nargs=2,
-        default=(32, 512),
-        metavar=("MIN", "MAX"),
-        help="prompt tokens, drawn per request",
-    )
-    parser.add_argument(
-        "--output-lens",
-        type=int,
-        nargs=2,
-        default=(16, 256),
-        metavar=("MIN", "MAX"),
-        help="new tokens, drawn per request",
-    )
+    add_length_range(parser, "prompt-lens", (32, 512), "prompt tokens, drawn per request")
+    add_length_range(parser, "output-lens", (16, 256), "new tokens, drawn per request")
     parser.add_argument(
         "--seed", type=int, default=0, help="of the workload and the arrivals: the same seed, the same load"
     )
