@@ -61,7 +61,7 @@ _NO_PD_STEPS = (
     "no choice of a prefill or a decode step: each step does both, the queue in priority and fair-share order"
 )
 _LOGS = (
-    "logs go to stdout, a line per event, at --log-level (--log-format); rotate and keep them where they are collected"
+    "logs go to stderr, a line per event, at --log-level (--log-format); rotate and keep them where they are collected"
 )
 
 KEYS: tuple[Key, ...] = (
