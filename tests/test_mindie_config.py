@@ -21,7 +21,7 @@ import structlog
 import trustme
 
 from tests.processes import TOKENRELAY, serving_https
-from tests.test_readme import README
+from tests.test_readme import DOCS
 from tokenrelay.flags import parse_args
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.mindie_keys import KEYS
@@ -273,16 +273,40 @@ def test_a_file_that_is_no_config_is_refused_in_one_line(tmp_path, content, reas
         settings_from(["serve", "--mindie-config", path], {})
 
 
-def test_the_readme_table_is_the_mapping():
-    """Every key of tokenrelay/mindie_keys.py in the README's table, with its flags (or ignored) and its note."""
-    text = README.read_text(encoding="utf-8")
+MINDIE_PAGE = DOCS / "coming-from-mindie.md"
+
+
+def table_rows(text: str) -> dict[str, tuple[str, str]]:
+    """The page's config.json table: each key, with its setting and its note."""
     table = text[text.index("| MindIE key | setting |") :].split("\n\n")[0].splitlines()[2:]
     rows = {}
     for line in table:
         keys, setting, note = (cell.strip() for cell in line.strip("|").split(" | "))
         rows.update({key: (setting, note) for key in re.findall(r"`([^`]+)`", keys)})
-    expected = {key.path: (", ".join(f"`{f}`" for f in key.flags) or "ignored", key.note) for key in KEYS}
-    assert rows == expected
+    return rows
+
+
+EXPECTED_ROWS = {key.path: (", ".join(f"`{f}`" for f in key.flags) or "ignored", key.note) for key in KEYS}
+
+
+def test_the_pages_table_is_the_mapping():
+    """Every key of tokenrelay/mindie_keys.py in docs/coming-from-mindie.md's table, with its flags (or ignored)
+    and its note."""
+    assert table_rows(MINDIE_PAGE.read_text(encoding="utf-8")) == EXPECTED_ROWS
+
+
+@pytest.mark.parametrize(
+    ("planted", "replacement"),
+    [
+        ("| `ServerConfig.port` | `--port` |", "| `ServerConfig.port` | ignored |"),  # a setting
+        ("| tokens per KV cache block |", "| tokens per block |"),  # a note
+        ("| `BackendConfig.kvPoolConfig` | ignored |", "| `BackendConfig.kvPool` | ignored |"),  # a key
+    ],
+)
+def test_a_wrong_table_row_fails(planted, replacement):
+    text = MINDIE_PAGE.read_text(encoding="utf-8")
+    assert text.count(planted) == 1, f"the page changed: plant {planted!r} elsewhere"
+    assert table_rows(text.replace(planted, replacement)) != EXPECTED_ROWS
 
 
 def test_a_bad_value_stops_the_command_in_one_line_naming_its_key_exit_1(tmp_path):

@@ -1,8 +1,8 @@
-"""The README and docs/api.md against the code: flags, defaults, commands, routes.
+"""The README and the pages of docs/ against the code: flags, defaults, commands, routes.
 
-The README's flag tables (every table whose first column is `flag`) have four
-columns: the flags, the commands that take them, their defaults, and what
-they do. Read this way:
+The flag tables (every table whose first column is `flag`: docs/settings.md's,
+and any other page's) have four columns: the flags, the commands that take
+them, their defaults, and what they do. Read this way:
 
 - flags: the backquoted `--flags` of the first cell; one followed by
   "(env `NAME`)" reads its environment variable from NAME, every other one
@@ -24,10 +24,10 @@ they do. Read this way:
 
 The parser is built with every TOKENRELAY_* variable and
 ALLOWED_MEDIA_DOMAINS_ENV removed, since defaults come from the environment.
-Every `tokenrelay <command> --flag ...` in the README's code (blocks, and
-inline code that starts with `tokenrelay `) must name a real subcommand and its
-flags (for `bench`, a real benchmark; their flags live in each benchmark's
-own parser, not checked here).
+Every `tokenrelay <command> --flag ...` in the code of the README and of every
+page (blocks, and inline code that starts with `tokenrelay `) must name a real
+subcommand and its flags (for `bench`, a real benchmark; their flags live in
+each benchmark's own parser, not checked here).
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ from tokenrelay import api_doc
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+SETTINGS = DOCS / "settings.md"
+PAGES = (README, *sorted(DOCS.glob("*.md")))
 COMMANDS = ("serve", "gateway", "worker", "simulate", "up")
 
 
@@ -111,20 +114,20 @@ _UNITS = {
 
 
 def default_problem(flag: str, stated: str, action: argparse.Action) -> str | None:
-    """Why the parser's default for `flag` is not what the README's cell `stated` says; None if it is."""
+    """Why the parser's default for `flag` is not what the table's cell `stated` says; None if it is."""
     value = stated.replace("`", "").strip()
     note = re.fullmatch(r"(.+?)\s*\(.*\)", value)
     if note:
         value = note.group(1)
     help = " ".join((action.help or "").split())
     default = action.default
-    wrong = f"{flag}: the README says {stated!r}, the parser's default is {default!r}"
+    wrong = f"{flag}: the table says {stated!r}, the parser's default is {default!r}"
     if value in ("off", "on"):
         return None if action.nargs == 0 and default is (value == "on") else wrong
     if value == "none":
         return None if default in (None, "", []) and not action.required else wrong
     if value == "required":
-        return None if action.required else f"{flag}: the README says required, the parser does not require it"
+        return None if action.required else f"{flag}: the table says required, the parser does not require it"
     if value == "the bundled model":
         from workers.bundled import BUNDLED_MODEL
 
@@ -152,12 +155,12 @@ def default_problem(flag: str, stated: str, action: argparse.Action) -> str | No
 
 
 def settings_problems(text: str, subcommands: dict[str, argparse.ArgumentParser]) -> list[str]:
-    """Every way the README's flag tables disagree with the parser."""
+    """Every way the flag tables of `text` disagree with the parser."""
     problems: list[str] = []
     where: dict[str, set[str]] = {}
     rows = flag_rows(text)
     if not rows:
-        return ["no flag table found in the README"]
+        return ["no flag table found"]
     for flags, commands, defaults in rows:
         if len(defaults) != len(flags):
             problems.append(f"{[f for f, _ in flags]}: {len(defaults)} defaults for {len(flags)} flags: {defaults}")
@@ -182,14 +185,12 @@ def settings_problems(text: str, subcommands: dict[str, argparse.ArgumentParser]
     for flag, listed in where.items():
         having = {command for command in COMMANDS if flag in _actions(subcommands[command])}
         if listed and listed != having:
-            problems.append(
-                f"{flag}: the README lists {sorted(listed)}, the commands that take it are {sorted(having)}"
-            )
+            problems.append(f"{flag}: the table lists {sorted(listed)}, the commands that take it are {sorted(having)}")
     return problems
 
 
 def command_lines(text: str) -> list[str]:
-    """Every `tokenrelay ...` command the README shows: in code blocks, and inline code that starts with it."""
+    """Every `tokenrelay ...` command `text` shows: in code blocks, and inline code that starts with it."""
     lines: list[str] = []
     blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.M | re.S)
     blocks += re.findall(r"(?:^\n)((?:^    \S.*\n)+)", text, flags=re.M)  # indented code blocks
@@ -223,8 +224,12 @@ def command_line_problems(text: str, subcommands: dict[str, argparse.ArgumentPar
 
 
 def test_settings_table_matches_the_parser(subcommands):
-    problems = settings_problems(README.read_text(encoding="utf-8"), subcommands)
-    assert not problems, "\n".join(problems)
+    assert flag_rows(SETTINGS.read_text(encoding="utf-8")), "docs/settings.md has the flag table"
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        if flag_rows(text):
+            problems = settings_problems(text, subcommands)
+            assert not problems, f"{page.relative_to(REPO)}:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize(
@@ -246,17 +251,17 @@ def test_settings_table_matches_the_parser(subcommands):
     ],
 )
 def test_a_wrong_table_fails(subcommands, planted, replacement):
-    text = README.read_text(encoding="utf-8")
-    assert text.count(planted) == 1, f"the README changed: plant {planted!r} elsewhere"
+    text = SETTINGS.read_text(encoding="utf-8")
+    assert text.count(planted) == 1, f"docs/settings.md changed: plant {planted!r} elsewhere"
     assert settings_problems(text.replace(planted, replacement), subcommands)
 
 
 def test_commands_shown_exist(subcommands):
-    text = README.read_text(encoding="utf-8")
-    lines = command_lines(text)
+    lines = command_lines(README.read_text(encoding="utf-8"))
     assert any(line.startswith("tokenrelay serve") for line in lines), "the README shows `tokenrelay serve`"
-    problems = command_line_problems(text, subcommands)
-    assert not problems, "\n".join(problems)
+    for page in PAGES:
+        problems = command_line_problems(page.read_text(encoding="utf-8"), subcommands)
+        assert not problems, f"{page.relative_to(REPO)}:\n" + "\n".join(problems)
 
 
 def test_a_wrong_command_fails(subcommands):

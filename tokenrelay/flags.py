@@ -580,7 +580,7 @@ def build_parser() -> _Parser:
             sub,
             "--mindie-config",
             default="",
-            help="MindIE Service's config.json, each key read as the flag it means (the README's table); "
+            help="MindIE Service's config.json, each key read as the flag it means (docs/coming-from-mindie.md); "
             "flags given beside it win",
         )
     return parser

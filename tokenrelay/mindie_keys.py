@@ -5,8 +5,8 @@ Parameters (Service-Specific)" page describes every key). Most of them name a
 flag of ours: maxBatchSize is --max-batch-size, port is --port. Those of NPUs,
 of MindIE's own processes and of features not built here are ignored, each for
 the reason its row says. This table is the one place that says so: the
-reading (tokenrelay/mindie_config.py) follows it, and the README's table is
-checked against it (tests/test_mindie_config.py).
+reading (tokenrelay/mindie_config.py) follows it, and the table of
+docs/coming-from-mindie.md is checked against it (tests/test_mindie_config.py).
 
 A row that sets a flag names the converter of its value
 (tokenrelay/mindie_values.py); the flag then checks the arguments as it checks

@@ -11,7 +11,7 @@ rank's weights and its peak while loading (the growth of its resident
 memory: what it holds, the slices in flight and the file pages they are read
 from), the whole model's weights, the time to load and per token, and, for
 the full 80 layers, the weights and KV cache per rank that tensor
-parallelism at that size would take (README: a 70B on one 8-GPU node).
+parallelism at that size would take (docs/models.md: a 70B on one 8-GPU node).
 """
 
 from __future__ import annotations
