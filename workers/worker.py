@@ -55,6 +55,7 @@ from schemas.messages import (
 )
 from telemetry.metrics import RequestTimer, metrics_of, record_backlog
 from workers.engine.adapters import AdapterCounts
+from workers.engine.admission import unstarted_end
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, Model
 from workers.engine.request import EngineRequest, PromptPrefixes
@@ -188,7 +189,7 @@ class Worker:
         self._gateways = PeerClock(
             settings.heartbeat_interval_s, _GATEWAY_SILENCE_S, _CONTROL_STUCK_S, _FORGET_GONE_GATEWAY_S
         )
-        self._drops: list[tuple[Delivery, ErrorInfo | None]] = []  # taken only to be dropped, and why
+        self._drops: list[tuple[Delivery, TokenEvent | None]] = []  # taken only to be dropped, and its last event
         self._steps: asyncio.Queue[tuple[float, list[TokenEvent]]] = asyncio.Queue()  # (computed at, events)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: RequestQueue | None = None
@@ -342,16 +343,9 @@ class Worker:
 
     async def _settle_drops(self) -> None:
         drops, self._drops = self._drops, []
-        for delivery, error in drops:
-            if error is not None:
-                expired = TokenEvent(
-                    request_id=delivery.request.request_id,
-                    attempt=delivery.request.attempt,
-                    index=0,
-                    finish_reason=FinishReason.STOP_SEQUENCE,
-                    error=error,
-                )
-                await self._publish(delivery.request.reply_to, [expired])
+        for delivery, last in drops:
+            if last is not None:
+                await self._publish(delivery.request.reply_to, [last])
             self._finished(delivery)
 
     def _finished(self, delivery: Delivery) -> None:
@@ -371,14 +365,20 @@ class Worker:
             return False
         elif cancel is not None and cancel.covers(request.attempt):
             log.info("request_skipped", **request.log_ids(), attempt=request.attempt, reason=cancel.reason)
-            self._drops.append((delivery, None))
+            # Stopped before it came (a stop travels on the control topic, the request on another): it ends as a
+            # running one would, with its last event, which its gateway waits for. A failover's fence of an old
+            # attempt is not answered: nobody waits for that attempt.
+            fenced = cancel.attempts_before is not None
+            self._drops.append((delivery, None if fenced else unstarted_end(request, FinishReason.STOP_SEQUENCE)))
         elif self._gateways.gone(request.reply_to, time.monotonic()):
             log.info("request_skipped", **request.log_ids(), reason="its gateway is gone")
             self._drops.append((delivery, None))
         elif time.time() > request.deadline:
             log.info("request_skipped", **request.log_ids(), reason="expired while queued")
-            message = f"request {request.request_id} expired in the queue"
-            self._drops.append((delivery, ErrorInfo(message=message, error_type=TIMEOUT, status=504)))
+            error = ErrorInfo(
+                message=f"request {request.request_id} expired in the queue", error_type=TIMEOUT, status=504
+            )
+            self._drops.append((delivery, unstarted_end(request, FinishReason.STOP_SEQUENCE, error)))
         elif self._has_room(request.priority):
             self._gateways.expect(request.reply_to, time.monotonic())
             self._active[request.request_id] = _Taken(delivery, RequestTimer(self._metrics, request))

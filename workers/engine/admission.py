@@ -19,6 +19,7 @@ from schemas.messages import (
     GENERATION_ERROR,
     ErrorInfo,
     FinishReason,
+    GenerationRequest,
     PromptToken,
     TextPart,
     TokenEvent,
@@ -50,8 +51,11 @@ class Rejected(Exception):
         self.event = unstarted_end(request, FinishReason.INVALID_FLAG, error)
 
 
-def unstarted_end(request: EngineRequest, reason: FinishReason, error: ErrorInfo | None = None) -> TokenEvent:
-    """The last event of a request that ends before the engine starts it: after the tokens delivered before."""
+def unstarted_end(
+    request: EngineRequest | GenerationRequest, reason: FinishReason, error: ErrorInfo | None = None
+) -> TokenEvent:
+    """The last event of a request that ends before the engine (or its worker) starts it: after the tokens
+    delivered before."""
     return TokenEvent(
         request_id=request.request_id,
         attempt=request.attempt,
