@@ -301,3 +301,81 @@ def test_api_doc_notices_a_changed_route():
     generated = api_doc.render(document, sockets)
     document["paths"]["/v2/models/{model}/generate"]["post"]["description"] = "Something else."
     assert api_doc.render(document, sockets) != generated
+
+
+# The README's "Where things are": a row per folder, which names what the folder holds.
+PACKAGES = ("bus", "gateway", "schemas", "telemetry", "tokenrelay", "workers")
+
+
+def folder_rows(readme: str) -> dict[str, set[str]]:
+    """Each row's folder (`gateway/`) -> the backquoted names in its row."""
+    section = readme.split("\n## Where things are\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        if match := re.fullmatch(r"\| `([^`]+/)` \| (.*) \|", line):
+            rows[match.group(1)] = set(re.findall(r"`([^`]+)`", match.group(2)))
+    return rows
+
+
+def _files(root: Path) -> list[Path]:
+    """The files under `root` but Python's caches, relative to the repository."""
+    return sorted(p.relative_to(REPO) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def folder_table_problems(readme: str) -> list[str]:
+    """Where the table is not true: a package or module of the code, a test helper, a page of docs/ or a file of
+    .ci/ that its folder's row does not name, and a module a row names that is not there."""
+    rows, problems = folder_rows(readme), []
+
+    def named(folder: str, name: str) -> None:
+        if name not in rows.get(folder, set()):
+            problems.append(f"{folder}{name} is not named in the row of {folder}")
+
+    for package in PACKAGES:
+        for folder in sorted({path.parent for path in _files(REPO / package) if path.suffix == ".py"}):
+            row = f"{folder.as_posix()}/"
+            if row not in rows:
+                problems.append(f"no row for the package {row}")
+                continue
+            for module in sorted((REPO / folder).glob("*.py")):
+                if module.name != "__init__.py":
+                    named(row, module.name)
+    for module in sorted((REPO / "tests").glob("*.py")):
+        if not module.name.startswith("test_") and module.name != "__init__.py":
+            named("tests/", module.name)
+    for page in sorted(DOCS.glob("*.md")):
+        if f"(docs/{page.name}" not in readme:
+            problems.append(f"docs/{page.name} is not linked from the README")
+    for path in _files(REPO / ".ci"):
+        top = path.relative_to(".ci").parts[0]
+        named(".ci/", top if len(path.parts) == 2 else f"{top}/")
+    for row, names in rows.items():
+        problems += [
+            f"{row}{n} is named but not there" for n in names if _a_module(n) and not (REPO / row / n).is_file()
+        ]
+    return problems
+
+
+def _a_module(name: str) -> bool:
+    return name.endswith(".py") and "*" not in name
+
+
+def test_the_folder_table_names_every_package_module_helper_page_and_ci_file():
+    assert folder_table_problems(README.read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.parametrize(
+    "planted, replacement",
+    [
+        (", failover (`failover.py`)", ""),  # a module left out
+        ("(`tgi.py`)", "(TGI)"),  # a route module left out
+        ("| `workers/simulated/` |", "| workers/simulated |"),  # a package's row gone
+        ("(docs/coming-from-mindie.md)", "(docs/)"),  # a page not linked
+        ("`draft.py`", "`draught.py`"),  # a module named that is not there
+        ("and `hold-memory`", "and hold-memory"),  # a file of .ci/ left out
+    ],
+)
+def test_a_folder_table_that_is_not_true_fails(planted, replacement):
+    text = README.read_text(encoding="utf-8")
+    assert planted in text
+    assert folder_table_problems(text.replace(planted, replacement))
