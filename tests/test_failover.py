@@ -68,42 +68,60 @@ SCHEMA = {
 }
 
 
-class _StructuredStream:
-    """An OpenAI chat stream whose answer matches SCHEMA, with each token's log-probability."""
+TOOL = {
+    "type": "function",
+    "function": {"name": "describe", "description": "Describe a thing.", "parameters": SCHEMA},
+}
 
-    def __init__(self, seed: int) -> None:
+
+class _StructuredStream:
+    """An OpenAI chat stream whose answers match SCHEMA, with each token's log-probability: a json_schema
+    response format, or (`tool`) a forced call of a function of that schema; `n` choices."""
+
+    def __init__(self, seed: int, tool: bool = False, n: int = 1) -> None:
         self.body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": PROMPTS[seed % len(PROMPTS)]}],
             "max_tokens": 120,
             "temperature": 1,
             "seed": seed,
+            "n": n,
             "stream": True,
             "logprobs": True,
             "top_logprobs": 2,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}},
         }
-        self.text = ""
-        self.tokens: list[tuple[str, float, list[str]]] = []
+        if tool:
+            self.body |= {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "describe"}}}
+        else:
+            self.body["response_format"] = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+        self.texts = [""] * n  # each choice's content, or its call's arguments
+        self.tokens: list[list[tuple[str, float, list[str]]]] = [[] for _ in range(n)]
 
     async def run(self, client: httpx.AsyncClient, base_url: str) -> None:
         async with client.stream("POST", f"{base_url}/v1/chat/completions", json=self.body) as response:
             assert response.status_code == 200, await response.aread()
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
-                    choice = json.loads(line[len("data: ") :])["choices"][0]
-                    self.text += choice["delta"].get("content") or ""
-                    for entry in (choice.get("logprobs") or {}).get("content") or ():
-                        self.tokens.append(
-                            (entry["token"], entry["logprob"], [t["token"] for t in entry["top_logprobs"]])
-                        )
+                    for choice in json.loads(line[len("data: ") :])["choices"]:
+                        delta, i = choice["delta"], choice["index"]
+                        self.texts[i] += delta.get("content") or ""
+                        for call in delta.get("tool_calls") or ():
+                            self.texts[i] += call["function"].get("arguments") or ""
+                        for entry in (choice.get("logprobs") or {}).get("content") or ():
+                            tops = [t["token"] for t in entry["top_logprobs"]]
+                            self.tokens[i].append((entry["token"], entry["logprob"], tops))
 
 
 async def _streams(url: str, count: int, while_running=None) -> tuple[list[_Stream], list, list[_ImageStream]]:
-    """`count` text streams (every other one under the LoRA adapter `shout`), 8 structured ones and 4 about
-    pictures (on the vision model's workers), at once."""
+    """`count` text streams (every other one under the LoRA adapter `shout`), 12 structured ones (6 json_schema,
+    4 forced tool calls, 2 json_schema of two choices each) and 4 about pictures (on the vision model's workers),
+    at once."""
     streams = [_Stream() for _ in range(count)]
-    structured = [_StructuredStream(seed) for seed in range(8)]
+    structured = [
+        *(_StructuredStream(seed) for seed in range(6)),
+        *(_StructuredStream(seed, tool=True) for seed in range(6, 10)),
+        *(_StructuredStream(seed, n=2) for seed in (10, 11)),
+    ]
     images = [_ImageStream(seed) for seed in range(4)]
     base_url = url.split("/v2/")[0]
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as client:
@@ -202,11 +220,14 @@ async def test_a_worker_killed_mid_stream_leaves_32_seeded_streams_identical(kaf
         assert "".join(got.texts) == "".join(expected.texts) and got.counts == expected.counts, i
     # Structured streams with log-probabilities: the same tokens and text, log-probabilities equal up to the
     # float32 rounding of a prefill against decode steps, and answers that still match the schema.
-    for i, (expected, got) in enumerate(zip(reference_structured, failed_structured, strict=True)):
-        jsonschema.validate(json.loads(got.text), SCHEMA)
-        assert got.text == expected.text and [t[0] for t in got.tokens] == [t[0] for t in expected.tokens], i
-        assert [t[1] for t in got.tokens] == pytest.approx([t[1] for t in expected.tokens], abs=1e-4), i
-        assert [t[2] for t in got.tokens] == [t[2] for t in expected.tokens], i
+    # The same for forced tool calls (their arguments) and for each of n choices.
+    for i, (expected_stream, got_stream) in enumerate(zip(reference_structured, failed_structured, strict=True)):
+        choices = zip(expected_stream.texts, got_stream.texts, expected_stream.tokens, got_stream.tokens, strict=True)
+        for expected_text, got_text, expected, got in choices:
+            jsonschema.validate(json.loads(got_text), SCHEMA)
+            assert got_text == expected_text and [t[0] for t in got] == [t[0] for t in expected], i
+            assert [t[1] for t in got] == pytest.approx([t[1] for t in expected], abs=1e-4), i
+            assert [t[2] for t in got] == [t[2] for t in expected], i
     assert [s.pieces for s in failed_images] == [s.pieces for s in reference_images]
     failovers = gateway.events_named("request_failing_over")
     assert failovers and {f["reason"] for f in failovers} == {"worker gone"}, failovers
