@@ -53,7 +53,7 @@ from workers.engine.grammar import allowed_tokens
 from workers.engine.models.lora import LoraRows
 from workers.engine.output_head import GatheredHead, OutputHead
 from workers.engine.parallel import OP_CLOSE, OP_LOGITS, OP_RUNNER, OP_STEP, SINGLE
-from workers.engine.pooling import PooledRows
+from workers.engine.pooled_rows import PooledRows
 from workers.engine.sampler import Draw, DrawBatch, choose, sample, score
 from workers.engine.scheduler import Chunk
 from workers.engine.step_output import Scored, StepOutput

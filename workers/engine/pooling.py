@@ -12,7 +12,7 @@ cache never holds a prompt's last token, so it is always computed. Mean
 pooling needs every prompt token's row: its sequences take nothing from the
 prefix cache (cached tokens are never computed again), and each chunk's rows
 are summed onto the sequence's running sum, which restarts with the prompt's
-first chunk (after a preemption too).
+first chunk (after a preemption too): pooled_rows.py does it, step by step.
 """
 
 from __future__ import annotations
@@ -20,15 +20,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
-import torch
-import torch.nn.functional as F
 from transformers.utils import cached_file
-
-if TYPE_CHECKING:  # the scheduler's chunks hold sequences, which hold a Pooling
-    from workers.engine.scheduler import Chunk
 
 log = structlog.get_logger(__name__)
 
@@ -74,44 +68,3 @@ def _read_json(path: str, name: str):
         return None
     with open(found) as text:
         return json.load(text)
-
-
-@dataclass(frozen=True)
-class PooledRows:
-    """The rows of a step that its embed requests pool: every row of a mean-pooled chunk, and the last row of
-    a last-token-pooled prompt's last chunk."""
-
-    rows: list[int]
-    spans: list[tuple[Chunk, int]]  # (chunk, its rows), in row order
-
-    @classmethod
-    def of(cls, chunks: list[Chunk], first_rows: list[int]) -> PooledRows:
-        rows: list[int] = []
-        spans: list[tuple[Chunk, int]] = []
-        for chunk, first_row in zip(chunks, first_rows, strict=True):
-            pooling = chunk.sequence.pooling
-            if pooling is None or not (pooling.mean or chunk.reaches_end):
-                continue
-            count = chunk.num_tokens if pooling.mean else 1
-            rows.extend(range(first_row + chunk.num_tokens - count, first_row + chunk.num_tokens))
-            spans.append((chunk, count))
-        return cls(rows, spans)
-
-    def pool(self, hidden: torch.Tensor) -> dict[str, list[float]]:
-        """From the hidden states of `rows`: request id -> the embedding of each prompt completed this step."""
-        hidden = hidden.to(torch.promote_types(hidden.dtype, torch.float32))  # a bfloat16 sum of many rows drifts
-        done: list[tuple[str, torch.Tensor]] = []
-        start = 0
-        for chunk, count in self.spans:
-            sequence, rows = chunk.sequence, hidden[start : start + count]
-            start += count
-            if sequence.pooling.mean:
-                first = sequence.num_cached_tokens == 0  # the step has not counted its chunk in yet
-                sequence.pooled_sum = rows.sum(dim=0) if first else sequence.pooled_sum + rows.sum(dim=0)
-            if chunk.reaches_end:
-                vector = sequence.pooled_sum / len(sequence.prompt_ids) if sequence.pooling.mean else rows[-1]
-                done.append((sequence.request_id, F.normalize(vector, dim=0) if sequence.pooling.normalize else vector))
-        if not done:
-            return {}
-        vectors = torch.stack([vector for _, vector in done]).tolist()  # one read from the device
-        return {request_id: vector for (request_id, _), vector in zip(done, vectors, strict=True)}

@@ -13,7 +13,7 @@ from workers.engine.request import EngineRequest
 from workers.engine.step_output import Scored
 from workers.engine.stop_strings import StopStrings
 
-if TYPE_CHECKING:  # vision.py and pooling.py import torch, which a simulated worker does without
+if TYPE_CHECKING:  # vision.py imports torch and pooling.py transformers, which a simulated worker does without
     from workers.engine.pooling import Pooling
     from workers.engine.vision import SequenceImages
 
