@@ -23,6 +23,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from workers.bundled import DTYPE_NAMES
+from workers.engine.model_runner import ModelRunner
 from workers.engine.models import FAMILIES, MODEL_IMPLS, native_family
 from workers.engine.models.layers import CausalLM, Shape
 from workers.engine.models.weights import checkpoint_files, load_checkpoint, load_tensors
@@ -83,8 +84,6 @@ class LoadedModel:
 
     def runner(self, config, capture=None, draft=None):
         """The ModelRunner that computes this model's steps (see Engine); `config` has the device's defaults."""
-        from workers.engine.model_runner import ModelRunner  # it imports this module
-
         return ModelRunner(self, config, capture, draft)
 
     def grammars(self):

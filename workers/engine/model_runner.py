@@ -38,7 +38,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 import torch
@@ -52,18 +52,30 @@ from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.grammar import allowed_tokens
 from workers.engine.models.lora import LoraRows
 from workers.engine.output_head import GatheredHead, OutputHead
-from workers.engine.parallel import OP_CLOSE, OP_LOGITS, OP_RUNNER, OP_STEP, SINGLE
+from workers.engine.parallel import OP_CLOSE, OP_LOGITS, OP_RUNNER, OP_STEP, SINGLE, TensorParallel
 from workers.engine.pooled_rows import PooledRows
 from workers.engine.sampler import Draw, DrawBatch, choose, sample, score
 from workers.engine.scheduler import Chunk
 from workers.engine.step_output import Scored, StepOutput
 from workers.engine.transfer import to_device
 
-if TYPE_CHECKING:  # model_loader builds its runners with this module
-    from workers.engine.model_loader import LoadedModel
-
 log = structlog.get_logger(__name__)
 _GIB = 2**30
+
+
+class RunnerModel(Protocol):
+    """What a runner needs of a loaded model: model_loader's LoadedModel, which builds its runners with this
+    module (so this one names it by what it does, not by import)."""
+
+    model: torch.nn.Module
+    parallel: TensorParallel
+    device: torch.device
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def decoder(self): ...
+
+    def vision(self): ...
 
 
 @dataclass(frozen=True)
@@ -300,10 +312,10 @@ def gpu_kv_cache_tokens(free: int, fraction: float, target: DeviceMemory, draft:
 class ModelRunner:
     def __init__(
         self,
-        loaded: LoadedModel,
+        loaded: RunnerModel,
         config: EngineConfig,
         capture: Capture | None = None,
-        draft: LoadedModel | None = None,
+        draft: RunnerModel | None = None,
     ) -> None:
         """`config` with its device defaults filled in; `capture`: how decode graphs are captured
         (default: CUDA graphs on a GPU, none on the CPU); `draft`: a draft model (draft.py) whose runner will
@@ -599,7 +611,7 @@ class ModelRunner:
 
     # -- GPU start-up: memory and graphs
 
-    def _gpu_kv_cache_bytes(self, graphs: bool, draft: LoadedModel | None) -> int:
+    def _gpu_kv_cache_bytes(self, graphs: bool, draft: RunnerModel | None) -> int:
         """gpu_memory_fraction of the memory free after the weights, the largest eager step and the graphs, less
         the share of a draft's cache (gpu_kv_cache_tokens). The draft's weights are loaded already."""
         config = self._config
@@ -633,7 +645,7 @@ class ModelRunner:
         held = self._step_memory(config.max_batch_size, prompt=False) if graphs else 0
         return DeviceMemory(self._geometry.bytes_per_token, step, held)
 
-    def _draft_memory(self, draft: LoadedModel, graphs: bool) -> DeviceMemory:
+    def _draft_memory(self, draft: RunnerModel, graphs: bool) -> DeviceMemory:
         """The draft's, as its runner (draft.py), with this one's settings on this device, will take it: measured by
         a runner of it over a cache of one block, which captures no graphs."""
         block = KVGeometry.of(draft.model).bytes_per_token * self.block_size
