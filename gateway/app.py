@@ -10,7 +10,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import openapi
 from gateway.access_log import AccessLog
-from gateway.api_keys import ApiKeys, open_path
 from gateway.errors import install_handlers
 from gateway.ignored_fields import IgnoredFields
 from gateway.media import MediaLoader
@@ -29,6 +28,7 @@ from gateway.routes import (
     websocket,
 )
 from gateway.service import GatewayService
+from gateway.tenancy.api_keys import ApiKeys, open_path
 
 
 def create_app(

@@ -52,7 +52,7 @@ class InFlight:
         # Told the tokens its events bring (its prompt's once, whatever the attempts, and each generated one).
         self.on_tokens: Callable[[int], None] | None = None
         self.prepaid_tokens = 0  # charged to its tenant's fair share when sent, before its worker counted them
-        # Awaited with its last event, before the client gets it (its usage record: gateway/usage.py).
+        # Awaited with its last event, before the client gets it (its usage record: gateway/tenancy/usage.py).
         self.on_end: Callable[[TokenEvent], Awaitable[None]] | None = None
         # Its prompt's tokens, and of them those found cached, as its first worker counted them (the worker it
         # fails over to counts the tokens generated before as prompt too).

@@ -13,8 +13,8 @@ that stops sending them) and to its own reply topic: a listener that does not
 hear its own gateway's heartbeats for a while is stuck, and is rebuilt.
 Draining (SIGTERM) refuses new requests with 503 while those in flight end.
 With a tenants file, it admits each tenant's requests within the tenant's
-allowance and limits (tenancy.py); every request ends with one usage record
-on the usage topic (usage.py).
+allowance and limits (tenancy/admission.py); every request ends with one usage record
+on the usage topic (tenancy/usage.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from bus.peers import PeerClock, send_own_heartbeat
 from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic, usage_topic
 from gateway import failover
 from gateway.access_log import current_request_id
-from gateway.api_keys import current_key_id
 from gateway.directory import WorkerDirectory
 from gateway.dispatch import Dispatcher
 from gateway.errors import PAYLOAD_TOO_LARGE, ApiError, not_found, unavailable
@@ -42,9 +41,10 @@ from gateway.failover import CHECK_EVERY_S, Failover
 from gateway.inflight import InFlight, InFlightRegistry
 from gateway.router import Router
 from gateway.settings import GatewaySettings
-from gateway.tenancy import Tenancy
-from gateway.tenants import Tenants
-from gateway.usage import UsageMeter
+from gateway.tenancy.admission import Tenancy
+from gateway.tenancy.api_keys import current_key_id
+from gateway.tenancy.tenants import Tenants
+from gateway.tenancy.usage import UsageMeter
 from schemas.messages import (
     STREAM_ERRORS,
     AdapterState,
@@ -415,7 +415,7 @@ class GatewayService:
             self._tenancy.tokens(tenant, count)
 
     async def _record_usage(self, inflight: InFlight, key_id: str | None, last: TokenEvent | None) -> None:
-        """Publish the request's usage record (gateway/usage.py), unless it has one; `last`: its last event, or
+        """Publish the request's usage record (gateway/tenancy/usage.py), unless it has one; `last`: its last event, or
         None for a request dropped before its end."""
         if (record := self._usage.record(inflight, last, key_id)) is not None:
             await self._usage.publish(record)

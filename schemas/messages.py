@@ -147,7 +147,7 @@ class GenerationRequest(_Message):
     tokenization: Tokenization | None = None
     sampling: SamplingParams
     priority: int = Field(default=5, ge=1, le=5)
-    # The tenant of the key it came with (gateway/tenants.py) and its fair-share weight: within a priority,
+    # The tenant of the key it came with (gateway/tenancy/tenants.py) and its fair-share weight: within a priority,
     # tenants are served in proportion to their weights (schemas/fair_share.py); None: no tenant's.
     tenant: str | None = None
     tenant_weight: float = Field(default=1.0, gt=0)
@@ -427,7 +427,7 @@ class TenantUse(BaseModel):
 
 
 class TenantUsage(_Message):
-    """A gateway's use by each tenant over the rate window, on the tenant-usage topic (gateway/quotas.py).
+    """A gateway's use by each tenant over the rate window, on the tenant-usage topic (gateway/tenancy/quotas.py).
 
     Compacted on Kafka and keyed by gateway id: the latest report of each
     gateway is its use, and a gateway that starts reads every gateway's from
@@ -445,7 +445,7 @@ UsageOutcome = Literal["finished", "cancelled", "timed_out", "failed"]
 
 
 class UsageRecord(_Message):
-    """One request's use, for billing: on the usage topic, keyed by its request id (gateway/usage.py).
+    """One request's use, for billing: on the usage topic, keyed by its request id (gateway/tenancy/usage.py).
 
     The gateway that answered it publishes it once, before the client sees
     the request's last event (or when the client leaves). The topic is

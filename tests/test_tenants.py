@@ -1,4 +1,4 @@
-"""Tenants: the file and its reload (gateway/tenants.py), and their limits across gateways (gateway/quotas.py)."""
+"""Tenants: the file and its reload (gateway/tenancy/tenants.py), and their limits across gateways (quotas.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.quotas import SHARE_INTERVAL_S, STALE_S, Quotas, duration
-from gateway.tenants import Tenants, TenantsFileError, digest_of, read_tenants_file
+from gateway.tenancy.quotas import SHARE_INTERVAL_S, STALE_S, Quotas, duration
+from gateway.tenancy.tenants import Tenants, TenantsFileError, digest_of, read_tenants_file
 from schemas.fair_share import FAIR_PREEMPT_MARGIN, RETURN_CREDIT, FairShare, priority_level
 
 TOML = """

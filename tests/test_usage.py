@@ -1,4 +1,4 @@
-"""Usage records (gateway/usage.py) and their sums (`tokenrelay usage`, tokenrelay/usage.py), without a broker:
+"""Usage records (gateway/tenancy/usage.py) and their sums (`tokenrelay usage`, tokenrelay/usage.py), without a broker:
 the broker's part is in test_failover.py, test_rolling_restart.py and test_tenant_limits.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 from bus.inprocess import InProcessBus
 from gateway.inflight import InFlight
-from gateway.usage import UsageMeter, outcome_of
+from gateway.tenancy.usage import UsageMeter, outcome_of
 from schemas.messages import (
     TIMEOUT,
     ErrorInfo,

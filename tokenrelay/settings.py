@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bus.settings import InProcessSettings, KafkaSettings
 from gateway.settings import GatewaySettings, MediaPolicy, ServerSettings
-from gateway.tenants import TenantsFileError, read_tenants_file
+from gateway.tenancy.tenants import TenantsFileError, read_tenants_file
 from tokenrelay.flags import parse_args
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.mindie_config import with_mindie_config

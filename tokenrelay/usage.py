@@ -1,6 +1,6 @@
 """`tokenrelay usage`: the usage topic summed per tenant and period, each request counted once.
 
-Reads every record the usage topic holds (gateway/usage.py) from its
+Reads every record the usage topic holds (gateway/tenancy/usage.py) from its
 beginning, keeps one per request id (a record sent twice counts once), and
 sums them per tenant and per hour, day or month of their end (UTC):
 requests by outcome, prompt tokens, those of them found cached, and output

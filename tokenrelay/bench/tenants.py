@@ -3,7 +3,7 @@
 Starts a local broker (or uses `--kafka-bootstrap`), one worker (simulated,
 `--simulate PROFILE`, or the bundled model with `--simulate ""`) and two
 gateways in front of it: one with a tenants file (fair sharing within a
-priority, gateway/tenants.py and schemas/fair_share.py), one with the same
+priority, gateway/tenancy/tenants.py and schemas/fair_share.py), one with the same
 keys as plain API keys (no tenants: first come, first served). Two mixes, each
 on both gateways in turn, closed-loop streams of one priority:
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter as CounterMetric
 from prometheus_client import Gauge
 
-from gateway.tenants import Tenant, Tenants
+from gateway.tenancy.tenants import Tenant, Tenants
 from schemas.messages import TenantUsage, TenantUse
 
 SHARE_INTERVAL_S = 0.25

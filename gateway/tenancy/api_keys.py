@@ -23,7 +23,7 @@ import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import openai_error_body
-from gateway.tenants import Tenants, digest_of
+from gateway.tenancy.tenants import Tenants, digest_of
 
 UNAUTHORIZED = "Unauthorized"
 _OPEN = re.compile(r"^/(health|metrics|v2/health/(live|ready)|v2/models/[^/]+/ready)$")

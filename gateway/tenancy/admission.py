@@ -5,7 +5,7 @@ together (quotas.py): it shares this gateway's use by each tenant on the
 tenant-usage topic and reads the others', reads the file again when it
 changes and on SIGHUP, and follows each admitted request until it ends, for
 the tenant's requests in flight and tokens. The gateway's service
-(service.py) asks it at each request it is given; without a tenants file
+(gateway/service.py) asks it at each request it is given; without a tenants file
 there is none.
 """
 
@@ -20,10 +20,10 @@ import structlog
 
 from bus.base import Bus, Listener
 from bus.topics import tenant_usage_topic
-from gateway.api_keys import UNAUTHORIZED, current_tenant
 from gateway.errors import ApiError
-from gateway.quotas import SHARE_INTERVAL_S, Quotas, Refusal
-from gateway.tenants import Tenant, Tenants
+from gateway.tenancy.api_keys import UNAUTHORIZED, current_tenant
+from gateway.tenancy.quotas import SHARE_INTERVAL_S, Quotas, Refusal
+from gateway.tenancy.tenants import Tenant, Tenants
 from schemas.messages import SamplingParams, ServedModel, TenantUsage
 
 log = structlog.get_logger(__name__)
