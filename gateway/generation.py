@@ -18,9 +18,9 @@ from typing import TypeVar
 from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection, Request
 
+from gateway.dispatch.inflight import InFlight
 from gateway.errors import ApiError
 from gateway.grammars import grammar_parameter
-from gateway.inflight import InFlight
 from gateway.service import GatewayService
 from schemas.messages import GENERATION_ERROR, FinishReason, SamplingParams, ServedModel, TokenEvent
 from schemas.parameters import RouteParameters

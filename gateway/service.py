@@ -3,7 +3,7 @@
 One instance per gateway process. It owns the gateway's reply topic (created
 at start, deleted at a clean stop), listens to the control topic for the
 workers' heartbeats and to the routing topic for their load reports, which
-its router (router.py) reads to pick each request's worker, and to the
+its router (dispatch/router.py) reads to pick each request's worker, and to the
 adapters topic from its beginning for the LoRA adapters loaded at run time
 (routes/lora.py publishes them there, through `change_adapter`). The HTTP routes
 call `resolve`, `submit` and `stop_requests`. A stopInfer for a request that
@@ -32,14 +32,14 @@ import structlog
 from bus.base import Bus, BusUnavailable, Listener, UnknownTopic
 from bus.peers import PeerClock, send_own_heartbeat
 from bus.topics import adapters_topic, control_topic, reply_topic, routing_topic, usage_topic
-from gateway import failover
 from gateway.access_log import current_request_id
-from gateway.directory import WorkerDirectory
-from gateway.dispatch import Dispatcher
+from gateway.dispatch import failover
+from gateway.dispatch.directory import WorkerDirectory
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.failover import CHECK_EVERY_S, Failover
+from gateway.dispatch.inflight import InFlight, InFlightRegistry
+from gateway.dispatch.router import Router
 from gateway.errors import PAYLOAD_TOO_LARGE, ApiError, not_found, unavailable
-from gateway.failover import CHECK_EVERY_S, Failover
-from gateway.inflight import InFlight, InFlightRegistry
-from gateway.router import Router
 from gateway.settings import GatewaySettings
 from gateway.tenancy.admission import Tenancy
 from gateway.tenancy.api_keys import current_key_id

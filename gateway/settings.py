@@ -24,9 +24,9 @@ class GatewaySettings:
     full_text: bool = False  # MindIE's fullTextEnabled: stream events carry the text so far
     max_in_flight: int = 4096  # requests waiting for their last event; beyond: 429
     # Requests of a model waiting for a worker, as this gateway sees them, past which one that would wait too
-    # gets 429 at once (dispatch.py's queue_ahead); 0: no bound.
+    # gets 429 at once (dispatch/dispatcher.py's queue_ahead); 0: no bound.
     max_waiting_requests: int = 0
-    route: bool = True  # pick each request's worker (router.py); False: the shared queue decides
+    route: bool = True  # pick each request's worker (dispatch/router.py); False: the shared queue decides
     # Bearer keys that may load and unload LoRA adapters at run time (routes/lora.py); none: refused.
     admin_api_keys: tuple[str, ...] = ()
     lora_root: str = ""  # resolved: the directory run-time adapters must lie under; empty: refused

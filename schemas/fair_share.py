@@ -17,7 +17,7 @@ Priority comes first: the level is the aged priority rounded up (a request
 gains one level per `aging_s` waited, schemas/messages.py), so that aging
 still lifts a request past the fair order of the level it left.
 
-The gateway's held queue (gateway/dispatch.py) and the worker's waiting
+The gateway's held queue (gateway/dispatch/dispatcher.py) and the worker's waiting
 queue and choice of a sequence to preempt (workers/engine/scheduler.py) each
 keep their own counters, on the tokens they see. A tenant far below another
 of its priority (FAIR_PREEMPT_MARGIN), as a gateway sees it (a gateway sees
@@ -33,8 +33,8 @@ import math
 
 # How far (in weighted tokens, about a request's worth) a tenant must be below another of the same priority for
 # its request to make room for itself: a gateway sends it to a worker beyond the worker's room, and the worker
-# preempts a sequence of the tenant furthest over (gateway/dispatch.py, workers/engine/scheduler.py). Less, and
-# tenants of near-equal shares would preempt each other back and forth.
+# preempts a sequence of the tenant furthest over (gateway/dispatch/dispatcher.py, workers/engine/scheduler.py).
+# Less, and tenants of near-equal shares would preempt each other back and forth.
 FAIR_PREEMPT_MARGIN = 512
 # What a tenant that had nothing in a gateway keeps below the least served of the others when it comes back
 # there: one request's worth of credit beyond the margin, so that a light tenant's request (whose tenant is

@@ -133,7 +133,7 @@ class GenerationRequest(_Message):
     adapter_path: str | None = None
     # Set by the router on what it sends a worker: adapters in the worker's device slots that other workers of
     # the model hold too. Should the worker have to load `adapter`, it takes one of their slots before any
-    # other's, so that no adapter loses its last copy while another has two (gateway/router.py).
+    # other's, so that no adapter loses its last copy while another has two (gateway/dispatch/router.py).
     evict_adapters_first: list[str] = []
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None

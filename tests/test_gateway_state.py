@@ -12,9 +12,9 @@ from prometheus_client import REGISTRY
 from bus.inprocess import InProcessBus
 from bus.peers import PeerClock
 from bus.topics import control_topic, reply_topic
-from gateway.directory import WorkerDirectory
+from gateway.dispatch.directory import WorkerDirectory
+from gateway.dispatch.inflight import DEADLINE_GRACE_S, InFlightRegistry
 from gateway.errors import ApiError
-from gateway.inflight import DEADLINE_GRACE_S, InFlightRegistry
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings
 from schemas.messages import (

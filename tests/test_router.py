@@ -6,9 +6,9 @@ import asyncio
 
 from bus.inprocess import InProcessBus
 from bus.prefixes import CHUNK_BYTES, prefix_hashes
-from gateway.dispatch import Dispatcher
-from gateway.inflight import InFlight
-from gateway.router import ADAPTER_LOAD_TOKENS, Router
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.inflight import InFlight
+from gateway.dispatch.router import ADAPTER_LOAD_TOKENS, Router
 from schemas.messages import ChatMessage, GenerationRequest, SamplingParams, WorkerLoad
 from workers.load_report import LoadReporter
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from bus.inprocess import InProcessBus
-from gateway.inflight import InFlight
+from gateway.dispatch.inflight import InFlight
 from gateway.tenancy.usage import UsageMeter, outcome_of
 from schemas.messages import (
     TIMEOUT,

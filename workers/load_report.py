@@ -1,4 +1,4 @@
-"""A worker's load reports on the routing topic, for the gateways' routers (gateway/router.py).
+"""A worker's load reports on the routing topic, for the gateways' routers (gateway/dispatch/router.py).
 
 A report goes out when the worker starts, with every heartbeat and, when
 the load or the cache changed, as soon as `MIN_GAP_S` has passed since the

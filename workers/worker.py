@@ -1,7 +1,7 @@
 """A worker: takes requests of its model from the bus, runs them, streams the tokens back.
 
 Requests reach it two ways: routed to its own inbox by a gateway's router
-(gateway/router.py), which reads its load reports (load_report.py), or from
+(gateway/dispatch/router.py), which reads its load reports (load_report.py), or from
 the request topics that all workers of the model share, where a gateway
 puts what no worker has room for. It takes only what its engine can start
 now, most urgent first: a free slot,

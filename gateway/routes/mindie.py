@@ -13,9 +13,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
+from gateway.dispatch.inflight import InFlight
 from gateway.errors import GENERATION_ERRORS, ErrorBody
 from gateway.generation import complete, error_object, sse_response, start, stream
-from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.prompts import multimodal_prompt
 from gateway.service import GatewayService

@@ -18,11 +18,11 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import HTTPConnection
 
 from gateway.access_log import current_request_id
+from gateway.dispatch.inflight import InFlight
 from gateway.errors import OPENAI_ERRORS, openai_error_body
 from gateway.generation import Completion as Answer
 from gateway.generation import check_prompt_tokens, check_token_ids, complete_all, sse_response, start_each, streams
 from gateway.grammars import json_object_grammar, json_schema_grammar
-from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.prompts import chat_prompt
 from gateway.service import GatewayService

@@ -17,9 +17,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import HTTPConnection
 
+from gateway.dispatch.inflight import InFlight
 from gateway.errors import GENERATION_ERRORS, ErrorBody, unprocessable
 from gateway.generation import Completion, complete_all, error_object, sse_response, start, start_each, stream
-from gateway.inflight import InFlight
 from gateway.openapi import event_stream
 from gateway.prompts import tgi_prompt
 from gateway.service import GatewayService

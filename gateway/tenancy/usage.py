@@ -24,7 +24,7 @@ import time
 import structlog
 
 from bus.base import Bus, BusUnavailable, UnknownTopic
-from gateway.inflight import InFlight
+from gateway.dispatch.inflight import InFlight
 from schemas.messages import TIMEOUT, TokenEvent, UsageOutcome, UsageRecord
 
 log = structlog.get_logger(__name__)

@@ -27,7 +27,7 @@ which of its slots frees, and so what a load would evict, and whether a
 worker holding the adapter frees one first, is known only from the report
 after it frees. Each worker then keeps a few adapters, and each adapter few
 workers. With no worker that has room, the request waits in the gateway
-(dispatch.py). A route is a hint: a stale one costs latency, never a
+(dispatcher.py). A route is a hint: a stale one costs latency, never a
 request, since whatever a worker holds is failed over if it dies.
 """
 

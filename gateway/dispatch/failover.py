@@ -22,8 +22,8 @@ from prometheus_client import Counter
 
 from bus.base import Bus, BusUnavailable, UnknownTopic
 from bus.peers import PeerClock
-from gateway.dispatch import Dispatcher
-from gateway.inflight import InFlight, InFlightRegistry
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.inflight import InFlight, InFlightRegistry
 from schemas.messages import CancelRequest, TokenEvent, TokenEvents, WorkerHeartbeat
 from telemetry.metrics import snake
 

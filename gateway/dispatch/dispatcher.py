@@ -31,8 +31,8 @@ from prometheus_client import Gauge
 from bus.base import Bus, BusUnavailable, UnknownTopic
 from bus.prefixes import prompt_bytes
 from bus.topics import request_topic
-from gateway.inflight import InFlight
-from gateway.router import Route, Router
+from gateway.dispatch.inflight import InFlight
+from gateway.dispatch.router import Route, Router
 from schemas.fair_share import RETURN_CREDIT, FairShare
 from schemas.messages import GenerationRequest
 
