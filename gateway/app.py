@@ -12,7 +12,7 @@ from gateway import openapi
 from gateway.access_log import AccessLog
 from gateway.errors import install_handlers
 from gateway.ignored_fields import IgnoredFields
-from gateway.media import MediaLoader
+from gateway.media.loader import MediaLoader
 from gateway.request_body import RequestBodies
 from gateway.routes import (
     embeddings,

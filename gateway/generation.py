@@ -88,7 +88,7 @@ async def start(
 ) -> InFlight:
     """Resolve the model, check the prompt, publish the request (asking for these log-probabilities, if any).
 
-    `prompt`: the prompt fields gateway/prompts.py makes, or `token_ids`."""
+    `prompt`: the prompt fields gateway/media/prompts.py makes, or `token_ids`."""
     grammar = grammar_parameter(parameters.given("grammar"))
     model = service.resolve(model_name)
     if token_ids is not None:

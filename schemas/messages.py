@@ -139,7 +139,7 @@ class GenerationRequest(_Message):
     prompt_token_ids: list[int] | None = None
     chat_messages: list[ChatMessage] | None = None
     prompt_parts: list[ContentPart] | None = None  # a raw prompt with images in it (TGI's ![](url))
-    # The images that ImageParts stand for, in order: their bytes as the gateway checked them (gateway/images.py).
+    # The images that ImageParts stand for, in order: their bytes as the gateway checked them (gateway/media/images.py).
     images: list[bytes] = []
     tools: list[dict] | None = None  # functions the chat template presents (OpenAI's tools)
     truncate: int | None = Field(default=None, gt=0)  # keep only the prompt's last N tokens (TGI)

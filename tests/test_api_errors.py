@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 
 from bus.inprocess import InProcessBus
 from gateway.app import create_app
-from gateway.media import MediaLoader
+from gateway.media.loader import MediaLoader
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings, MediaPolicy
 from tests.test_gateway_state import _heartbeat

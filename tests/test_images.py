@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 from gateway.errors import ApiError
-from gateway.images import MAX_DECODED_PIXELS, checked_image
-from gateway.media import MediaLoader, MediaRefused
-from gateway.prompts import multimodal_prompt, tgi_prompt
+from gateway.media.images import MAX_DECODED_PIXELS, checked_image
+from gateway.media.loader import MediaLoader, MediaRefused
+from gateway.media.prompts import multimodal_prompt, tgi_prompt
 from gateway.settings import MediaPolicy
 from schemas.messages import ImagePart, ServedModel, TextPart
 from schemas.multimodal import ImageItem, TextItem

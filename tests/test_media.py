@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 
-from gateway.media import MediaLoader, MediaRefused, is_forbidden_address, resolve_host
+from gateway.media.loader import MediaLoader, MediaRefused, is_forbidden_address, resolve_host
 from gateway.settings import MB, MediaPolicy
 from tests.processes import serving
 

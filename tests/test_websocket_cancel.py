@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from bus.inprocess import InProcessBus
 from bus.topics import control_topic, request_topics
-from gateway.media import MediaLoader
+from gateway.media.loader import MediaLoader
 from gateway.routes.websocket import _Socket
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings, MediaPolicy

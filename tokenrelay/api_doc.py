@@ -34,7 +34,7 @@ def openapi_document() -> tuple[dict, list[tuple[str, str]]]:
     from bus.factory import open_bus
     from bus.settings import InProcessSettings
     from gateway.app import create_app
-    from gateway.media import MediaLoader
+    from gateway.media.loader import MediaLoader
     from gateway.service import GatewayService
     from gateway.settings import GatewaySettings, ServerSettings
     from schemas import websocket

@@ -12,7 +12,7 @@ import uvicorn
 
 from bus.base import Bus
 from gateway.app import create_app
-from gateway.media import MediaLoader
+from gateway.media.loader import MediaLoader
 from gateway.service import GatewayService
 from gateway.settings import GatewaySettings, ServerSettings, load_keys
 

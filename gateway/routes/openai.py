@@ -23,8 +23,8 @@ from gateway.errors import OPENAI_ERRORS, openai_error_body
 from gateway.generation import Completion as Answer
 from gateway.generation import check_prompt_tokens, check_token_ids, complete_all, sse_response, start_each, streams
 from gateway.grammars import json_object_grammar, json_schema_grammar
+from gateway.media.prompts import chat_prompt
 from gateway.openapi import event_stream
-from gateway.prompts import chat_prompt
 from gateway.service import GatewayService
 from gateway.tool_calls import call_id, calls_in, tools_grammar
 from schemas.messages import FinishReason, TokenEvent

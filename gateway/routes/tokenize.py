@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.errors import GENERATION_ERRORS
 from gateway.generation import NOTHING_DRAWN, check_prompt_tokens, complete
-from gateway.prompts import PromptFields, chat_prompt
+from gateway.media.prompts import PromptFields, chat_prompt
 from gateway.service import GatewayService
 from schemas.messages import ServedModel, Task, TokenEvent, Tokenization
 from schemas.tgi import TgiSimpleToken, TgiTokenizeRequest

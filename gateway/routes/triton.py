@@ -26,8 +26,8 @@ from gateway.kserve_binary import (
     input_ids,
     uint32_bytes,
 )
+from gateway.media.prompts import multimodal_prompt
 from gateway.openapi import event_stream
-from gateway.prompts import multimodal_prompt
 from gateway.service import GatewayService
 from schemas.messages import TokenEvent
 from schemas.triton import (

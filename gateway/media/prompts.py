@@ -8,7 +8,7 @@
 - OpenAI chat messages: image_url content parts are parts of their turn.
 - TGI's `inputs`: a raw prompt, where `![](url)` places an image (TGI's syntax).
 
-Images are loaded as media.py allows, checked and scaled by images.py, and
+Images are loaded as loader.py allows, checked and scaled by images.py, and
 travel in the request's `images`. A model that takes none answers 422
 naming itself and the media type; video and audio, which no worker serves,
 likewise.
@@ -20,8 +20,8 @@ import asyncio
 import re
 
 from gateway.errors import unprocessable
-from gateway.images import checked_image
-from gateway.media import MediaLoader, MediaRefused
+from gateway.media.images import checked_image
+from gateway.media.loader import MediaLoader, MediaRefused
 from schemas.messages import ChatMessage, ContentPart, ImagePart, ServedModel, TextPart
 from schemas.multimodal import MAX_ITEMS, TextItem, media_reference
 from schemas.openai import ChatMessageIn

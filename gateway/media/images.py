@@ -15,7 +15,7 @@ import math
 
 from PIL import Image
 
-from gateway.media import MediaRefused
+from gateway.media.loader import MediaRefused
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_DECODED_PIXELS = 64 * 2**20  # 8192 x 8192: above it, a small file may decode to gigabytes (a "bomb")
