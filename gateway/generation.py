@@ -20,8 +20,8 @@ from starlette.requests import HTTPConnection, Request
 
 from gateway.dispatch.inflight import InFlight
 from gateway.errors import ApiError
-from gateway.grammars import grammar_parameter
 from gateway.service import GatewayService
+from gateway.structured.grammars import grammar_parameter
 from schemas.messages import GENERATION_ERROR, FinishReason, SamplingParams, ServedModel, TokenEvent
 from schemas.parameters import RouteParameters
 

@@ -59,7 +59,7 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False  # the text ends with the stop string rather than before it
     skip_special_tokens: bool = True  # special tokens have no text
     # Structured output: an llguidance grammar (JSON) the text must match; the gateway makes it from a JSON
-    # schema or a regex and checks it (gateway/grammars.py); None: free text.
+    # schema or a regex and checks it (gateway/structured/grammars.py); None: free text.
     grammar: str | None = None
     # Each generated token's log-probability, and this many of the likeliest alternatives'; None: none.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -1,7 +1,7 @@
 """instructor, the most used structured-output client, unmodified, with plain pydantic models, against serve.
 
 Its models' schemas say nothing of `additionalProperties`; the gateway reads
-them strictly, as xgrammar does (gateway/strict_schemas.py), so the bundled
+them strictly, as xgrammar does (gateway/structured/strict_schemas.py), so the bundled
 model cannot write a key they do not name, and each extraction is a valid
 object in one request (max_retries=0) that ends by itself: in TOOLS mode
 (instructor's default: a forced tool call), in JSON_SCHEMA mode

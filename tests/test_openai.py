@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 
-from gateway.tool_calls import calls_in
+from gateway.structured.tool_calls import calls_in
 from schemas.embeddings import MAX_INPUTS
 from schemas.openai import ChatCompletionRequest
 from tests.reference import bundled, embedding

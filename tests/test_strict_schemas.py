@@ -1,4 +1,4 @@
-"""Schemas are read strictly (gateway/strict_schemas.py): checked with the grammar the gateway sends workers.
+"""Schemas are read strictly (gateway/structured/strict_schemas.py): checked with the grammar the gateway sends workers.
 
 Each text is fed, as the bundled tokenizer's tokens, to an llguidance matcher
 of the grammar `json_schema_grammar` makes (what every route's schema goes
@@ -16,7 +16,7 @@ import pytest
 from llguidance import LLMatcher, LLTokenizer
 
 from gateway.errors import ApiError
-from gateway.grammars import grammar_parameter, json_schema_grammar
+from gateway.structured.grammars import grammar_parameter, json_schema_grammar
 from schemas.parameters import Grammar
 from workers.bundled import BUNDLED_MODEL
 

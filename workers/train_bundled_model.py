@@ -33,7 +33,7 @@ VOCAB_SIZE = 32000
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, Llama's order
 # A chat template so the OpenAI chat route works with the bundled model too.
 # Tools (OpenAI's, as JSON lines), an assistant's tool calls (<tool_call>{"name", "arguments"}</tool_call>, the
-# Hermes format that gateway/tool_calls.py reads back) and tool results ([call id] result) render too.
+# Hermes format that gateway/structured/tool_calls.py reads back) and tool results ([call id] result) render too.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% if tools %}{{ '<|tools|>\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}"
     "{% endfor %}{% endif %}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' }}"

@@ -22,11 +22,11 @@ from gateway.dispatch.inflight import InFlight
 from gateway.errors import OPENAI_ERRORS, openai_error_body
 from gateway.generation import Completion as Answer
 from gateway.generation import check_prompt_tokens, check_token_ids, complete_all, sse_response, start_each, streams
-from gateway.grammars import json_object_grammar, json_schema_grammar
 from gateway.media.prompts import chat_prompt
 from gateway.openapi import event_stream
 from gateway.service import GatewayService
-from gateway.tool_calls import call_id, calls_in, tools_grammar
+from gateway.structured.grammars import json_object_grammar, json_schema_grammar
+from gateway.structured.tool_calls import call_id, calls_in, tools_grammar
 from schemas.messages import FinishReason, TokenEvent
 from schemas.openai import (
     AssistantMessage,
@@ -105,7 +105,7 @@ async def _submit(connection: HTTPConnection, body: CompletionRequest | ChatComp
 
 
 def _grammar(body: CompletionRequest | ChatCompletionRequest) -> str | None:
-    """What response_format asks the text to match, as a grammar (gateway/grammars.py)."""
+    """What response_format asks the text to match, as a grammar (gateway/structured/grammars.py)."""
     answer = body.response_format
     if answer is None or answer.type == "text":
         return None

@@ -28,9 +28,9 @@ from pydantic import BaseModel
 from gateway.access_log import current_request_id
 from gateway.errors import OPENAI_ERRORS
 from gateway.generation import sse_response
-from gateway.grammars import json_schema_grammar
 from gateway.openapi import event_stream
 from gateway.routes.openai import chat_chunks, chat_completions
+from gateway.structured.grammars import json_schema_grammar
 from schemas.openai import AssistantMessage, Usage
 from schemas.openai_tools import ToolCallDelta
 from schemas.responses import (

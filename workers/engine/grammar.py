@@ -1,7 +1,7 @@
 """Structured output: llguidance matchers that say, token by token, what a grammar still allows.
 
 The gateway turns a JSON schema or a regex into an llguidance grammar and
-checks it (gateway/grammars.py); here a worker compiles it for its
+checks it (gateway/structured/grammars.py); here a worker compiles it for its
 tokenizer, on a thread of its own so that neither the event loop nor a step
 waits, and keeps the compiled grammar by content: requests with the same
 schema each get a copy. A sequence's matcher advances with every token it

@@ -19,7 +19,7 @@ import json
 import re
 import uuid
 
-from gateway.grammars import json_schema_grammar
+from gateway.structured.grammars import json_schema_grammar
 from schemas.openai import ChatCompletionRequest
 from schemas.openai_tools import FunctionCall, ToolCall
 

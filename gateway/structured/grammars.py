@@ -3,8 +3,8 @@
 A JSON schema (OpenAI's response_format, TGI's `grammar` of type json), any
 JSON object (json_object), or a regex (TGI's type regex) becomes an
 llguidance grammar. A schema is read strictly, as xgrammar reads it: no key
-or item it does not name (gateway/strict_schemas.py). JSON is compact (no
-free whitespace between tokens), so that a sampled answer cannot wander off
+or item it does not name (strict_schemas.py). JSON is compact (no free
+whitespace between tokens), so that a sampled answer cannot wander off
 into blank lines. llguidance checks a grammar without a tokenizer; what it
 cannot serve (a schema keyword it does not implement, a broken regex) is
 refused here, naming the field and the reason, rather than served
@@ -18,7 +18,7 @@ import json
 from llguidance import LLMatcher
 
 from gateway.errors import unprocessable
-from gateway.strict_schemas import strict_schema
+from gateway.structured.strict_schemas import strict_schema
 from schemas.parameters import Grammar
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
