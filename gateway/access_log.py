@@ -13,7 +13,7 @@ included.
   ends): event `http_request` of the logger `gateway.access`, at info below
   400, warning for 4xx and 503 (a state, not a fault), error for other 5xx;
   with `ignored_fields` when the body had fields no document lists
-  (gateway/ignored_fields.py). It replaces uvicorn's access log (off: see
+  (gateway/bodies/ignored_fields.py). It replaces uvicorn's access log (off: see
   tokenrelay/http_server.py).
 - Every answer counted in `tokenrelay_gateway_http_responses_total`, by
   route template and status: refusals are counted too, which the request

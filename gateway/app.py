@@ -10,10 +10,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import openapi
 from gateway.access_log import AccessLog
+from gateway.bodies.ignored_fields import IgnoredFields
+from gateway.bodies.request_body import RequestBodies
 from gateway.errors import install_handlers
-from gateway.ignored_fields import IgnoredFields
 from gateway.media.loader import MediaLoader
-from gateway.request_body import RequestBodies
 from gateway.routes import (
     embeddings,
     health,

@@ -31,7 +31,7 @@ class GatewaySettings:
     admin_api_keys: tuple[str, ...] = ()
     lora_root: str = ""  # resolved: the directory run-time adapters must lie under; empty: refused
     tenants_file: str = ""  # API keys' tenants and their limits (tenancy/tenants.py); empty: no tenants
-    # A body's field no document lists: True refuses it (422), False ignores it and names it (ignored_fields.py).
+    # A body's field no document lists: True refuses it (422), False ignores it and names it (bodies/ignored_fields.py).
     reject_unknown_fields: bool = False
 
 

@@ -12,7 +12,7 @@ a body does read are validated as strictly as ever.
 
 Which body is a request's: the first `Body` validated outside another one
 while `reading_body` is in effect, which the gateway sets around each HTTP
-request and each WebSocket message (gateway/ignored_fields.py). FastAPI
+request and each WebSocket message (gateway/bodies/ignored_fields.py). FastAPI
 validates a route's body before its handler runs, so models the handler
 builds later are not taken for it. With `reject` (the server's
 --reject-unknown-fields) an ignored field is refused instead, as every body

@@ -5,7 +5,7 @@ where its pages disagree); other fields are ignored and named
 (schemas/body.py). On infer, KServe v2's own parameters come besides
 MindIE's, so that Triton's clients work with their defaults:
 `binary_data_size` on an input, whose ids then follow the JSON header as raw
-bytes (gateway/kserve_binary.py),
+bytes (gateway/bodies/kserve_binary.py),
 `binary_data` on a requested output and `binary_data_output` at the top
 level, which ask for the answer's ids that way.
 """

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 
+from gateway.bodies.kserve_binary import _header_length
 from gateway.errors import ApiError
-from gateway.kserve_binary import _header_length
 from gateway.settings import GatewaySettings
 from schemas.triton import InferRequest
 from tests.processes import on_kafka

@@ -1,7 +1,7 @@
 """Triton-compatible routes: generate, generate_stream, infer (token ids), stopInfer, metadata, model config.
 
 infer speaks KServe v2 as Triton does, binary tensor data included
-(gateway/kserve_binary.py), so that Triton's HTTP clients work with their
+(gateway/bodies/kserve_binary.py), so that Triton's HTTP clients work with their
 defaults.
 """
 
@@ -15,9 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import HTTPConnection
 
-from gateway.errors import GENERATION_ERRORS, ErrorBody, not_found
-from gateway.generation import complete, error_object, sse_response, start, stream
-from gateway.kserve_binary import (
+from gateway.bodies.kserve_binary import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
     BinaryTensorRoute,
@@ -26,6 +24,8 @@ from gateway.kserve_binary import (
     input_ids,
     uint32_bytes,
 )
+from gateway.errors import GENERATION_ERRORS, ErrorBody, not_found
+from gateway.generation import complete, error_object, sse_response, start, stream
 from gateway.media.prompts import multimodal_prompt
 from gateway.openapi import event_stream
 from gateway.service import GatewayService

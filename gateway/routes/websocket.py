@@ -13,8 +13,8 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from gateway.access_log import access, client_of, level_of
+from gateway.bodies.ignored_fields import listed
 from gateway.errors import VALIDATION_ERROR, ApiError, describe_validation_error, openai_error_body
-from gateway.ignored_fields import listed
 from gateway.routes import mindie, openai, tgi, triton
 from schemas.body import reading_body
 from schemas.triton import GenerateStreamRequest

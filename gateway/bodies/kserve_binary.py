@@ -28,8 +28,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from gateway.bodies.request_body import replay
 from gateway.errors import VALIDATION_ERROR, ApiError
-from gateway.request_body import replay
 from schemas.triton import UINT32_BYTES, InferRequest, shape_problem
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
