@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 
 from gateway.dispatch.inflight import InFlight
 from gateway.errors import OPENAI_ERRORS, ApiError
-from gateway.generation import NOTHING_DRAWN, check_prompt_tokens, complete_all, start_each
+from gateway.routes.generation import NOTHING_DRAWN, check_prompt_tokens, complete_all, start_each
 from gateway.service import GatewayService
 from schemas.embeddings import Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 from schemas.messages import INCOMPLETE_GENERATION

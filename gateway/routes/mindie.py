@@ -15,9 +15,9 @@ from starlette.requests import HTTPConnection
 
 from gateway.dispatch.inflight import InFlight
 from gateway.errors import GENERATION_ERRORS, ErrorBody
-from gateway.generation import complete, error_object, sse_response, start, stream
 from gateway.media.prompts import multimodal_prompt
 from gateway.openapi import event_stream
+from gateway.routes.generation import complete, error_object, sse_response, start, stream
 from gateway.service import GatewayService
 from schemas.messages import FinishReason
 from schemas.mindie import InferTokenRequest, InferTokenResponse, InferTokenStreamEvent

@@ -20,10 +20,17 @@ from starlette.requests import HTTPConnection
 from gateway.access_log import current_request_id
 from gateway.dispatch.inflight import InFlight
 from gateway.errors import OPENAI_ERRORS, openai_error_body
-from gateway.generation import Completion as Answer
-from gateway.generation import check_prompt_tokens, check_token_ids, complete_all, sse_response, start_each, streams
 from gateway.media.prompts import chat_prompt
 from gateway.openapi import event_stream
+from gateway.routes.generation import Completion as Answer
+from gateway.routes.generation import (
+    check_prompt_tokens,
+    check_token_ids,
+    complete_all,
+    sse_response,
+    start_each,
+    streams,
+)
 from gateway.service import GatewayService
 from gateway.structured.grammars import json_object_grammar, json_schema_grammar
 from gateway.structured.tool_calls import call_id, calls_in, tools_grammar

@@ -27,8 +27,8 @@ from pydantic import BaseModel
 
 from gateway.access_log import current_request_id
 from gateway.errors import OPENAI_ERRORS
-from gateway.generation import sse_response
 from gateway.openapi import event_stream
+from gateway.routes.generation import sse_response
 from gateway.routes.openai import chat_chunks, chat_completions
 from gateway.structured.grammars import json_schema_grammar
 from schemas.openai import AssistantMessage, Usage

@@ -19,9 +19,9 @@ from starlette.requests import HTTPConnection
 
 from gateway.dispatch.inflight import InFlight
 from gateway.errors import GENERATION_ERRORS, ErrorBody, unprocessable
-from gateway.generation import Completion, complete_all, error_object, sse_response, start, start_each, stream
 from gateway.media.prompts import tgi_prompt
 from gateway.openapi import event_stream
+from gateway.routes.generation import Completion, complete_all, error_object, sse_response, start, start_each, stream
 from gateway.service import GatewayService
 from schemas.messages import FinishReason, TokenEvent
 from schemas.tgi import TgiRequest, TgiResponse, TgiStreamEvent

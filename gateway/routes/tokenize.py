@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import GENERATION_ERRORS
-from gateway.generation import NOTHING_DRAWN, check_prompt_tokens, complete
 from gateway.media.prompts import PromptFields, chat_prompt
+from gateway.routes.generation import NOTHING_DRAWN, check_prompt_tokens, complete
 from gateway.service import GatewayService
 from schemas.messages import ServedModel, Task, TokenEvent, Tokenization
 from schemas.tgi import TgiSimpleToken, TgiTokenizeRequest

@@ -25,9 +25,9 @@ from gateway.bodies.kserve_binary import (
     uint32_bytes,
 )
 from gateway.errors import GENERATION_ERRORS, ErrorBody, not_found
-from gateway.generation import complete, error_object, sse_response, start, stream
 from gateway.media.prompts import multimodal_prompt
 from gateway.openapi import event_stream
+from gateway.routes.generation import complete, error_object, sse_response, start, stream
 from gateway.service import GatewayService
 from schemas.messages import TokenEvent
 from schemas.triton import (
