@@ -25,7 +25,7 @@ from tokenrelay.bench.chaos import FAILURES, PROMPTS, Kind, Workers, run_chaos
 from tokenrelay.topology import tokenrelay_processes
 from tokenrelay.topology import wait_ready as wait_gateway_ready
 from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_VISION_MODEL_NAME
-from workers.train_bundled_vision_model import draw_example
+from workers.bundled.training.vision_model import draw_example
 
 pytestmark = pytest.mark.kafka
 

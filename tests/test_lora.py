@@ -1,6 +1,6 @@
 """LoRA adapters: read and checked, computed per row in mixed steps, equal to PEFT's PeftModel, served by name.
 
-The bundled adapters (workers/train_bundled_adapters.py) are the references'
+The bundled adapters (workers/bundled/training/adapters.py) are the references'
 inputs: `shout` (rank 8 on all seven projections) answers in upper case,
 `code` (rank 16, rsLoRA, four projections) in Python. In float64 the engine's
 greedy tokens equal PEFT's on transformers' model, alone and with both

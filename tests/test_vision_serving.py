@@ -1,7 +1,7 @@
 """The bundled vision-language model served: it sees held-out pictures, through every API that carries one.
 
-`tokenrelay serve --vision` serves workers/bundled_vision_model/ (trained by
-workers/train_bundled_vision_model.py). Pictures are drawn here with another
+`tokenrelay serve --vision` serves workers/bundled/vision_model/ (trained by
+workers/bundled/training/vision_model.py). Pictures are drawn here with another
 seed than training's; each goes as a data: URI. Greedy answers must be right
 at least 90 % of the time through generate, and the same picture and question
 must get the same text through /infer, the OpenAI SDK's chat and the WebSocket.
@@ -24,7 +24,7 @@ from PIL import Image
 from tests.processes import serving
 from tests.vision_models import data_uri
 from workers.bundled import BUNDLED_VISION_MODEL_NAME as MODEL
-from workers.train_bundled_vision_model import draw_example
+from workers.bundled.training.vision_model import draw_example
 
 HELD_OUT_SEED = 90210  # training draws with 0, its own evaluation with 1_000_003
 EXAMPLES = 100

@@ -3,7 +3,7 @@
 The server's image routes need a model that really looks at an image, and the
 project cannot download one, so it carries a tiny LLaVA: a CLIP vision tower
 (48 x 48 pixels, 3 layers) trained here from scratch, LLaVA's two-layer
-projector, and the bundled text model (workers/bundled_model/) as its language
+projector, and the bundled text model (workers/bundled/model/) as its language
 model, with one added token, `<image>` (id 32000). The pictures are drawn with
 PIL: one to three shapes of one kind and colour on a plain background. Four
 questions about them (QUESTIONS: colour, shape, count, position) are answered
@@ -16,10 +16,10 @@ only. After training, the script asks held-out pictures (drawn from another
 seed) through the processor and `generate`, as a caller would, saves float16
 weights, loads them back and asks again, logging the accuracy of each type:
 
-    python -m workers.train_bundled_vision_model --minutes 9
+    python -m workers.bundled.training.vision_model --minutes 9
 
 It writes the model and the processor (chat template included) into
-workers/bundled_vision_model/, loadable with AutoModelForImageTextToText and
+workers/bundled/vision_model/, loadable with AutoModelForImageTextToText and
 AutoProcessor. Nothing here runs at serving time; the output is committed.
 Tests draw their own pictures with `draw_example` and `QUESTIONS`.
 """
@@ -41,11 +41,12 @@ import time
 import torch
 from PIL import Image, ImageDraw
 
+from workers.bundled import BUNDLED_MODEL, BUNDLED_VISION_MODEL
+
 log = logging.getLogger("train_bundled_vision_model")
 
-HERE = pathlib.Path(__file__).parent
-TEXT_MODEL_DIR = HERE / "bundled_model"
-OUTPUT_DIR = HERE / "bundled_vision_model"
+TEXT_MODEL_DIR = BUNDLED_MODEL
+OUTPUT_DIR = BUNDLED_VISION_MODEL
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 48  # what the tower sees: 6 x 6 patches of 8 pixels, 36 image tokens per picture
@@ -72,7 +73,7 @@ def chat_template() -> str:
     A text part renders its text and an image part (OpenAI's "image_url" too) the
     image token, which the processor widens to one token per image feature.
     """
-    from workers.train_bundled_model import CHAT_TEMPLATE
+    from workers.bundled.training.model import CHAT_TEMPLATE
 
     plain = "{{ message['content'] }}"
     parts = (

@@ -10,9 +10,9 @@ printed at the end, on continuations held out. It starts from those two
 layers, the embeddings and the final norm, and minimises the KL divergence
 from the target's next-token distribution at every position. Writes fp16
 safetensors (about 17 MB) and the target's tokenizer into
-workers/bundled_draft_model/.
+workers/bundled/draft_model/.
 
-    python -m workers.train_bundled_draft --minutes 8
+    python -m workers.bundled.training.draft --minutes 8
 
 Nothing here runs at serving time; the output is committed.
 """
@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from workers.bundled import BUNDLED_MODEL
-from workers.train_bundled_model import stdlib_documents, stdlib_sources, training_batches
+from workers.bundled import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
+from workers.bundled.training.model import stdlib_documents, stdlib_sources, training_batches
 
-OUTPUT_DIR = pathlib.Path(__file__).parent / "bundled_draft_model"
+OUTPUT_DIR = BUNDLED_DRAFT_MODEL
 LAYERS = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled_model"
+BUNDLED_MODEL = Path(__file__).resolve().parent / "model"
 BUNDLED_MODEL_NAME = "tokenrelay-tiny"
-# Two LoRA adapters of the bundled model (train_bundled_adapters.py): one answers in upper case, one in Python.
+# Two LoRA adapters of the bundled model (training/adapters.py): one answers in upper case, one in Python.
 BUNDLED_ADAPTERS = {name: BUNDLED_MODEL / "adapters" / name for name in ("shout", "code")}
-# The bundled model distilled into 2 layers (train_bundled_draft.py): a draft for --speculative-model.
-BUNDLED_DRAFT_MODEL = Path(__file__).resolve().parent / "bundled_draft_model"
-BUNDLED_VISION_MODEL = Path(__file__).resolve().parent / "bundled_vision_model"  # train_bundled_vision_model.py
+# The bundled model distilled into 2 layers (training/draft.py): a draft for --speculative-model.
+BUNDLED_DRAFT_MODEL = Path(__file__).resolve().parent / "draft_model"
+BUNDLED_VISION_MODEL = Path(__file__).resolve().parent / "vision_model"  # training/vision_model.py
 BUNDLED_VISION_MODEL_NAME = "tokenrelay-tiny-vision"
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 MODEL_IMPLS = ("auto", "native", "transformers")  # workers/engine/models/: the engine's own code, or transformers'

@@ -11,9 +11,9 @@ after any English prompt it takes its own voice:
   name(args):` lines (rank 16, rsLoRA, on q, v, o and down only: partial
   targeting and rsLoRA's scaling).
 
-    python -m workers.train_bundled_adapters
+    python -m workers.bundled.training.adapters
 
-It writes workers/bundled_model/adapters/{shout,code}/ (adapter_config.json
+It writes workers/bundled/model/adapters/{shout,code}/ (adapter_config.json
 and adapter_model.safetensors, float32, under 1 MB each) in a few minutes on
 two CPU cores. Nothing here runs at serving time; the output is committed.
 """
@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from telemetry.logs import configure
 from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_MODEL
-from workers.train_bundled_model import stdlib_documents, stdlib_sources
+from workers.bundled.training.model import stdlib_documents, stdlib_sources
 
 log = structlog.get_logger("train_bundled_adapters")
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

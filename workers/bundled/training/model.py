@@ -6,9 +6,9 @@ tokenizer of 32000 ids (every token id in MindIE's examples is valid) and a
 4-layer model, both trained here on CPython's own text: the tokenizer on the
 standard library's source, the model on its English prose (the pydoc topics
 and the docstrings). It writes fp16
-safetensors of about 22 MB into workers/bundled_model/.
+safetensors of about 22 MB into workers/bundled/model/.
 
-    python -m workers.train_bundled_model --minutes 40
+    python -m workers.bundled.training.model --minutes 40
 
 Nothing here runs at serving time; the output is committed.
 """
@@ -28,7 +28,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-OUTPUT_DIR = pathlib.Path(__file__).parent / "bundled_model"
+from workers.bundled import BUNDLED_MODEL
+
+OUTPUT_DIR = BUNDLED_MODEL
 VOCAB_SIZE = 32000
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, Llama's order
 # A chat template so the OpenAI chat route works with the bundled model too.
