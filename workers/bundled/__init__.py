@@ -1,7 +1,12 @@
-"""The bundled model's place and name, the dtypes a worker can load and its model code: known without torch.
+"""The bundled models: their checkpoints, their places and names, and (in training/) how they were made.
 
-The command line needs them for its options and defaults; a gateway process
+The checkpoints sit beside this module: model/ (with its LoRA adapters in
+model/adapters/), draft_model/ and vision_model/. This module also names the
+dtypes a worker can load and its model code, all known without torch: the
+command line needs them for its options and defaults, and a gateway process
 never loads a model, so it must not pay for torch and transformers to start.
+training/ holds the scripts that made the checkpoints; nothing that serves
+imports them.
 """
 
 from __future__ import annotations
