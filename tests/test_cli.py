@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from tests.processes import TOKENRELAY, free_port
-from tokenrelay.flags import parse_args
+from tokenrelay.flags.commands import parse_args
 
 
 def _parse(monkeypatch, argv: list[str], env: dict[str, str] | None = None):

@@ -23,7 +23,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from bus.factory import open_bus
 from bus.settings import InProcessSettings
 from tests.processes import REPO
-from tokenrelay.flags import build_parser
+from tokenrelay.flags.commands import build_parser
 from tokenrelay.http_server import http_server
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.settings import Settings, settings_from

@@ -22,7 +22,7 @@ import trustme
 
 from tests.processes import TOKENRELAY, serving_https
 from tests.test_readme import DOCS
-from tokenrelay.flags import parse_args
+from tokenrelay.flags.commands import parse_args
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.mindie_keys import KEYS
 from tokenrelay.settings import settings_from

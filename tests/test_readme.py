@@ -55,7 +55,7 @@ def subcommands(monkeypatch: pytest.MonkeyPatch) -> dict[str, argparse.ArgumentP
     for name in list(os.environ):
         if name.startswith("TOKENRELAY_") or name == "ALLOWED_MEDIA_DOMAINS_ENV":
             monkeypatch.delenv(name)
-    from tokenrelay.flags import build_parser
+    from tokenrelay.flags.commands import build_parser
 
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

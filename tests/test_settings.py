@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bus.settings import InProcessSettings, KafkaSettings
-from tokenrelay.flags import build_parser
+from tokenrelay.flags.commands import build_parser
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.settings import settings_from
 from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_DRAFT_MODEL, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME

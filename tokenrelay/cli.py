@@ -1,4 +1,4 @@
-"""The `tokenrelay` command: its line parsed (tokenrelay/flags.py), then the command run.
+"""The `tokenrelay` command: its line parsed (tokenrelay/flags/commands.py), then the command run.
 
 What each command runs is imported only once its line is parsed, so `--help`
 answers at once.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from tokenrelay.flags import parse_args
+from tokenrelay.flags.commands import parse_args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from tokenrelay.flags import command_flags, parse_beneath
+from tokenrelay.flags.commands import command_flags, parse_beneath
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.mindie_keys import key_of
 from tokenrelay.mindie_values import MODELS, SECTIONS, Ignored, MindieFile

@@ -1,7 +1,7 @@
 """What a command's flags become: the settings of each part of the process, built and checked in one place.
 
 `settings_of(parse_args(argv, environ))` is the whole of a command's
-configuration. Every flag a command takes (tokenrelay/flags.py) lands in one
+configuration. Every flag a command takes (tokenrelay/flags/commands.py) lands in one
 field here, so a flag that a command accepts always does something there
 (tests/test_settings.py walks them all). The settings are plain dataclasses
 of light modules: `serve` hands its engine process the worker's part of them,
@@ -28,7 +28,7 @@ from pathlib import Path
 from bus.settings import InProcessSettings, KafkaSettings
 from gateway.settings import GatewaySettings, MediaPolicy, ServerSettings
 from gateway.tenancy.tenants import TenantsFileError, read_tenants_file
-from tokenrelay.flags import parse_args
+from tokenrelay.flags.commands import parse_args
 from tokenrelay.lifecycle import CannotStart
 from tokenrelay.mindie_config import with_mindie_config
 from workers.bundled import BUNDLED_MODEL, BUNDLED_MODEL_NAME, BUNDLED_VISION_MODEL, BUNDLED_VISION_MODEL_NAME

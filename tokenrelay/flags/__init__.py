@@ -1,0 +1,1 @@
+"""The flags of every `tokenrelay` command, from the command line and from the environment."""
