@@ -1,7 +1,7 @@
 """What a command's flags become: the settings of each part of the process, built and checked in one place.
 
 `settings_of(parse_args(argv, environ))` is the whole of a command's
-configuration. Every flag a command takes (tokenrelay/flags/commands.py) lands in one
+configuration. Every flag a command takes (tokenrelay/flags/) lands in one
 field here, so a flag that a command accepts always does something there
 (tests/test_settings.py walks them all). The settings are plain dataclasses
 of light modules: `serve` hands its engine process the worker's part of them,
