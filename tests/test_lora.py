@@ -26,8 +26,9 @@ from tests.test_engine import Harness, _tokens
 from workers.bundled import BUNDLED_ADAPTERS, BUNDLED_MODEL
 from workers.engine.adapters import Adapters
 from workers.engine.config import EngineConfig
+from workers.engine.lora_rows import LoraRows
 from workers.engine.model_loader import load_model
-from workers.engine.models.lora import LoraPool, LoraRows
+from workers.engine.models.lora import LoraPool
 
 PROMPTS = ["The meaning of life is", "Hello, my name is", "Python is a programming language that", "def main("]
 SHOUT, CODE = (str(BUNDLED_ADAPTERS[name]) for name in ("shout", "code"))

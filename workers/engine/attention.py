@@ -29,14 +29,12 @@ import functools
 import hashlib
 import pathlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # the layers import this module
-    from workers.engine.models.lora import LoraRows
+from workers.engine.lora_rows import LoraRows
 
 _KERNEL_SOURCE = pathlib.Path(__file__).with_name("paged_decode.cpp")
 log = structlog.get_logger(__name__)
@@ -114,7 +112,7 @@ class PagedBatch:
     query_starts: torch.Tensor | None = None  # "triton": [chunks + 1], chunk c is rows [qs[c], qs[c + 1])
     tiles: torch.Tensor | None = None  # "triton": the prefill kernel's work list (triton_attention.prefill_tiles)
     prompts: tuple[PromptChunk, ...] = ()  # "cpu" and "torch"
-    lora: LoraRows | None = None  # each row's adapter slot, where the model serves adapters (models/lora.py)
+    lora: LoraRows | None = None  # each row's adapter slot, where the model serves adapters (lora_rows.py)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, sequences: int) -> torch.Tensor:

@@ -50,7 +50,7 @@ from workers.engine.attention import KERNELS, PagedBatch, PromptChunk, kernels_f
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from workers.engine.grammar import allowed_tokens
-from workers.engine.models.lora import LoraRows
+from workers.engine.lora_rows import LoraRows
 from workers.engine.output_head import GatheredHead, OutputHead
 from workers.engine.parallel import OP_CLOSE, OP_LOGITS, OP_RUNNER, OP_STEP, SINGLE, TensorParallel
 from workers.engine.pooled_rows import PooledRows

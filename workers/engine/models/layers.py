@@ -32,7 +32,8 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from workers.engine.attention import PagedBatch, attend
-from workers.engine.models.lora import LoraPool, LoraRows
+from workers.engine.lora_rows import LoraRows
+from workers.engine.models.lora import LoraPool
 from workers.engine.models.ops import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from workers.engine.parallel import SINGLE, Span, TensorParallel
 
