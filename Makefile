@@ -56,9 +56,11 @@ helm-render: $(HELM_RENDER)
 
 # Two test processes (pytest-xdist): a test mostly waits on the processes it starts and on Kafka, so two
 # of them share two cores well. --dist loadfile keeps a module's tests on one worker, with its servers.
+# Before them, lint-imports checks pyproject.toml's import contracts (the layers, no circle): a second.
 TEST_WORKERS ?= 2
 
 test: install kafka helm-render
+	$(BIN)/lint-imports --no-logo
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # On a machine with an NVIDIA GPU: the engine's exactness tests on CUDA and its GPU bench, one summary.

@@ -5,6 +5,6 @@ label; ignored_fields.py names the fields a body carried that no document
 lists (a header, a log line, a WebSocket's notice); kserve_binary.py reads
 and writes KServe v2's binary tensors, as Triton's clients send them.
 
-It may use the gateway's top level (errors, the access log) and schemas;
+It may use the gateway's top level (errors) and schemas;
 never the routes, the service or the bus.
 """
