@@ -179,3 +179,22 @@ def test_the_engine_bench_runs_the_engine_split_beside_the_whole_model_and_says_
     assert split["ratio"] == round(engines["native_tp2"]["tokens_per_s"] / engines["native"]["tokens_per_s"], 2)
     assert 0 < split["collective_share"] < 1
     assert [s["batch"] for s in report["decode_steps_by_impl"]["native_tp2"]] == [1]
+
+
+def test_the_host_bench_reports_each_part_from_the_steps_it_ran():
+    """The short path of `tokenrelay bench host` (docs/bench.md): a batch of 4, so its steps are few."""
+    argv = ["bench", "host", "--max-batch-size", "4", "--prompt-lens", "8", "16", "--output-lens", "4", "8"]
+    run = subprocess.run([TOKENRELAY, *argv, "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["max_batch_size"] == 4 and report["requests"] == 16  # 4 per slot of the batch
+    zero, device, runner = report["zero_cost"], report["device"], report["runner"]
+    assert zero["utilization"] == 0.0 and zero["profile"] == "zero-cost"  # its steps cost nothing: all host
+    assert device["profile"] == "llama-1.1b-h200" and 0 < device["utilization"] < 1
+    for part in (zero, device, runner):
+        # at least one step per output token of the longest request, and never more than the batch in one
+        assert part["steps"] >= 8 and 1 <= part["mean_batch"] <= 4, part
+        assert part["host_ms_per_step"] > 0 and part["tokens_per_s"] > 0, part
+    assert len(zero["runs_host_ms_per_step"]) == len(runner["runs_runner_ms_per_step"]) == 1  # --repeat 1
+    assert runner["runner_ms_per_step"] > 0 and runner["engine_host_ms_per_step"] > 0
+    assert "device utilization" in run.stderr and "runner (negligible model)" in run.stderr

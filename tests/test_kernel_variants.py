@@ -31,7 +31,7 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.interpreter import InterpretedFunction
 
 from tests.test_cuda_graphs import replay_eagerly
-from tokenrelay.bench.engine_runs import _engine_pass, workload
+from tokenrelay.bench.engine_runs import engine_pass, workload
 from workers.bundled import BUNDLED_MODEL
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
@@ -97,9 +97,9 @@ def test_the_bench_warm_up_launches_every_kernel_variant_its_timed_run_does(monk
     try:
         requests = workload(256, (32, 512), (16, 256), model.vocab_size, seed=0)
         variants.phase = "warm-up"
-        _engine_pass(engine, events, requests[:2])
+        engine_pass(engine, events, requests[:2])
         variants.phase = "timed run"
-        _engine_pass(engine, events, requests)
+        engine_pass(engine, events, requests)
     finally:
         engine.stop()
     assert engine.stats()["preemptions"] == 0  # every request ran as on a GPU, whose cache holds them all

@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         _print("transformers_continuous_batching", result, out, progress)
     progress.close()
     del baseline_model
-    release(engine_model.device)
+    release(engine_model.device_type)
     for impl, best in engines.items():
         _print(f"engine ({impl}, best)", best, out)
     impl_ratio = tensor_parallel = lora = None

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING
 
 # torch and the engine are imported where they are used, so that `--help` answers at once.
 if TYPE_CHECKING:
-    import torch
-
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
     from workers.engine.model_loader import LoadedModel
@@ -89,12 +87,12 @@ def timed_result(
     )
 
 
-def release(device: torch.device) -> None:
+def release(device_type: str) -> None:
     """Give back what a finished run held (an engine's KV cache and graphs), before the next one sizes its own."""
     import torch
 
     gc.collect()
-    if device.type == "cuda":
+    if device_type == "cuda":
         torch.cuda.empty_cache()
 
 
@@ -105,16 +103,16 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, requests: list[Request
     engine = Engine(loaded, config, lambda batch: events.put((time.perf_counter(), batch)))
     engine.start()
     try:
-        _engine_pass(engine, events, requests[:2])  # warm up
+        engine_pass(engine, events, requests[:2])  # warm up
         ids = [uuid.uuid4().hex for _ in requests]
         before = engine.stats()
         started = time.perf_counter()
-        first, last, _ = _engine_pass(engine, events, requests, ids)
+        first, last, _ = engine_pass(engine, events, requests, ids)
         after = engine.stats()
     finally:
         engine.stop()
         del engine
-        release(loaded.device)
+        release(loaded.device_type)
     result = timed_result(requests, started, [first[i] for i in ids], [last[i] for i in ids])
     if not config.speculative:
         return result
@@ -134,13 +132,13 @@ def generate(loaded: LoadedModel, config: EngineConfig, requests: list[Request])
     engine.start()
     try:
         ids = [uuid.uuid4().hex for _ in requests]
-        tokens = _engine_pass(engine, events, requests, ids)[2]
+        tokens = engine_pass(engine, events, requests, ids)[2]
     finally:
         engine.stop()
     return [tokens[i] for i in ids]
 
 
-def _engine_pass(engine: Engine, events: queue.SimpleQueue, requests: list[Request], ids: list[str] | None = None):
+def engine_pass(engine: Engine, events: queue.SimpleQueue, requests: list[Request], ids: list[str] | None = None):
     from schemas.messages import SamplingParams
     from workers.engine.request import EngineRequest
 
