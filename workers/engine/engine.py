@@ -120,6 +120,7 @@ class Engine:
         hashes (the requests' PromptPrefixes, request.py) that became cached and that were evicted, after the
         steps that change them."""
         self._loaded = loaded
+        self._eos_token_ids = loaded.eos_token_ids  # read at every token
         self.config = config = config.for_device(loaded.device_type)  # the device's defaults filled in
         self._on_step = on_step
         self._on_cache = on_cache
@@ -436,7 +437,7 @@ class Engine:
         return events
 
     def _finish_reason(self, sequence: Sequence, token: int) -> FinishReason | None:
-        if token in self._loaded.eos_token_ids and (not sequence.request.sampling.ignore_eos or sequence.grammar_done):
+        if token in self._eos_token_ids and (not sequence.request.sampling.ignore_eos or sequence.grammar_done):
             return FinishReason.EOS_TOKEN
         if token in sequence.request.sampling.stop_token_ids:
             return FinishReason.STOP_SEQUENCE

@@ -24,7 +24,7 @@ class Status(Enum):
     FINISHED = auto()
 
 
-@dataclass
+@dataclass(eq=False)  # one sequence is itself alone: the scheduler's lists find it by identity, not by its fields
 class Sequence:
     request: EngineRequest
     prompt_ids: list[int]
