@@ -196,5 +196,5 @@ def test_the_host_bench_reports_each_part_from_the_steps_it_ran():
         assert part["steps"] >= 8 and 1 <= part["mean_batch"] <= 4, part
         assert part["host_ms_per_step"] > 0 and part["tokens_per_s"] > 0, part
     assert len(zero["runs_host_ms_per_step"]) == len(runner["runs_runner_ms_per_step"]) == 1  # --repeat 1
-    assert runner["runner_ms_per_step"] > 0 and runner["engine_host_ms_per_step"] > 0
+    assert runner["runner_ms_per_step"] > 0 and 0 < runner["utilization"] < 1  # the runner's share of the wall
     assert "device utilization" in run.stderr and "runner (negligible model)" in run.stderr

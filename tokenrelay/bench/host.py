@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from tokenrelay.bench.engine_runs import engine_pass, workload
 from tokenrelay.bench.help import HelpFormatter, add_length_range
 from workers.bundled import BUNDLED_MODEL
+from workers.simulated.profile import Profile, StepCost
 from workers.simulated.profile import names as profile_names
 
 NEGLIGIBLE_MODEL = dict(  # a Llama whose step computes next to nothing: the runner's time is its host work
@@ -94,6 +95,10 @@ class Run:
     execute_s: float  # in the runner's execute
     device_s: float  # the simulated device's step time (the profile's); the runner's execute for a real one
 
+    @property
+    def host_ms_per_step(self) -> float:
+        return round((self.seconds - self.device_s) * 1000 / self.steps, 3)
+
     def report(self) -> dict:
         host_s = self.seconds - self.device_s
         return {
@@ -101,7 +106,7 @@ class Run:
             "mean_batch": round(self.mean_batch, 1),
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.output_tokens / self.seconds, 1),
-            "host_ms_per_step": round(host_s * 1000 / self.steps, 3),
+            "host_ms_per_step": self.host_ms_per_step,
             "host_us_per_sequence_step": round(host_s * 1e6 / (self.steps * self.mean_batch), 2),
             "utilization": round(self.device_s / self.seconds, 3),
         }
@@ -121,21 +126,18 @@ def measure(model, config, requests) -> Run:
         started = time.perf_counter()
         engine_pass(engine, events, requests)
         seconds = time.perf_counter() - started
-        steps, rows, execute_s, busy_s = (now - then for now, then in zip(_counts(watched.timed), before, strict=True))
+        steps, rows, execute_s, device_s = (
+            now - then for now, then in zip(_counts(watched.timed), before, strict=True)
+        )
     finally:
         engine.stop()
-    simulated = hasattr(watched.timed._runner, "busy_s")
-    tokens = sum(r.output_len for r in requests)
-    return Run(steps, rows / steps, seconds, tokens, execute_s, busy_s if simulated else execute_s)
+    return Run(steps, rows / steps, seconds, sum(r.output_len for r in requests), execute_s, device_s)
 
 
 def _counts(timed: _TimedRunner) -> tuple[int, int, float, float]:
-    """Steps, rows and seconds in execute so far, and a simulated runner's device time (its profile's)."""
-    return timed.steps, timed.rows, timed.execute_s, getattr(timed._runner, "busy_s", 0.0)
-
-
-def _best(runs: list[Run]) -> Run:
-    return min(runs, key=lambda run: (run.seconds - run.device_s) / run.steps)
+    """Steps, rows and seconds in execute so far, and the device's time: a simulated runner's (its profile's),
+    else the execute's."""
+    return timed.steps, timed.rows, timed.execute_s, getattr(timed, "busy_s", timed.execute_s)
 
 
 def simulated(profile, args) -> dict:
@@ -146,7 +148,8 @@ def simulated(profile, args) -> dict:
     config = model.engine_config(EngineConfig(max_batch_size=args.max_batch_size))
     requests = workload(args.requests, args.prompt_lens, args.output_lens, VOCAB_SIZE, args.seed)
     runs = [measure(model, config, requests) for _ in range(args.repeat)]
-    return {"profile": profile.name, **_best(runs).report(), "runs_host_ms_per_step": _host_ms(runs)}
+    best = min(runs, key=lambda run: run.host_ms_per_step)
+    return {"profile": profile.name, **best.report(), "runs_host_ms_per_step": [run.host_ms_per_step for run in runs]}
 
 
 def negligible_runner(args) -> dict:
@@ -163,17 +166,10 @@ def negligible_runner(args) -> dict:
     config = EngineConfig(max_batch_size=args.max_batch_size)
     requests = workload(args.requests, args.prompt_lens, args.output_lens, NEGLIGIBLE_MODEL["vocab_size"], args.seed)
     runs = [measure(model, config, requests) for _ in range(args.repeat)]
-    best = min(runs, key=lambda run: run.execute_s / run.steps)
-    report = replace(best, device_s=0.0).report()  # the wall time's host share is all of it: no device here
-    del report["utilization"]
-    report["runner_ms_per_step"] = round(best.execute_s * 1000 / best.steps, 3)
-    report["engine_host_ms_per_step"] = round((best.seconds - best.execute_s) * 1000 / best.steps, 3)
-    report["runs_runner_ms_per_step"] = [round(run.execute_s * 1000 / run.steps, 3) for run in runs]
-    return report
-
-
-def _host_ms(runs: list[Run]) -> list[float]:
-    return [round((run.seconds - run.device_s) * 1000 / run.steps, 3) for run in runs]
+    runner_ms = [round(run.execute_s * 1000 / run.steps, 3) for run in runs]
+    best = runs[runner_ms.index(min(runner_ms))]
+    # Its host_ms_per_step is the engine's host work beside the runner, its utilization the runner's share.
+    return {**best.report(), "runner_ms_per_step": min(runner_ms), "runs_runner_ms_per_step": runner_ms}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,8 +187,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
     args = parser.parse_args(argv)
     args.requests = args.requests or 4 * args.max_batch_size
-    from workers.simulated.profile import Profile, StepCost
-
     device = Profile.load(args.profile)
     parts = {
         "zero_cost": lambda: simulated(replace(device, name="zero-cost", step=StepCost(0.0, 0.0, 0.0, 0.0)), args),
@@ -214,7 +208,7 @@ def _line(name: str, part: dict) -> str:
     if name == "runner":
         return (
             f"runner (negligible model): its execute {part['runner_ms_per_step']} ms per step, the engine's host "
-            f"work beside it {part['engine_host_ms_per_step']} ms ({shape})"
+            f"work beside it {part['host_ms_per_step']} ms ({shape})"
         )
     host = f"host {part['host_ms_per_step']} ms per step ({part['host_us_per_sequence_step']} us per sequence)"
     runs = ", ".join(map(str, part["runs_host_ms_per_step"]))
